@@ -1,0 +1,236 @@
+"""Typed configs, loaded from YAML and validated at the edge.
+
+Every error names the key path and the offending value, in one line, before any work starts. Inside the package the
+dataclasses are trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown, of the wrong type, or inconsistent. The message names the key path."""
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    """Returns `value` converted to `tp` where that is lossless (int -> float), else raises ConfigError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _check_type(value, arm, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {value!r}")
+        return None
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return origin(_check_type(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (Any, Any)
+        return {k: _check_type(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Builds dataclass `cls` from a mapping; unknown keys, missing required keys and wrong types are ConfigErrors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, field in fields.items():
+        key_path = f"{path}.{name}" if path else name
+        if name in data:
+            kwargs[name] = _check_type(data[name], hints[name], key_path)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key_path}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path}.{e}" if path else str(e)) from None
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1-style frequency scaling (the only kind Megatron-Core's RotaryEmbedding implements)."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        # Megatron-Core hard-codes these three in RotaryEmbedding._apply_scaling; only `factor` is a parameter.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for name, value in fixed.items():
+            if getattr(self, name) != value:
+                raise ConfigError(f"rope_scaling.{name}: {getattr(self, name)!r} is not supported "
+                                  f"(Megatron-Core's llama3 rope scaling fixes it to {value})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only model. Field names follow the published HF configs where they exist."""
+
+    family: Literal["llama", "qwen2", "qwen3", "mistral"]
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm: Literal["rmsnorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: Literal["swiglu"] = "swiglu"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    name: str = ""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                     "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(f"num_kv_heads: {self.num_kv_heads} does not divide "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"norm_eps: must be positive, got {self.norm_eps}")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ModelConfig":
+        data = load_yaml(path)
+        data.setdefault("name", Path(path).stem)
+        try:
+            return from_dict(cls, data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallel layout. dp is derived: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (virtual pipeline); 1 = no interleaving
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "vpp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"vpp: {self.vpp} needs pp > 1 (virtual pipeline interleaves pipeline stages)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def dp(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ConfigError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = "
+                              f"{self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}")
+        dp = world_size // self.model_parallel_size
+        if dp % self.ep:
+            raise ConfigError(f"ep: {self.ep} does not divide the data-parallel size {dp}")
+        return dp
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Divisibility rules between a layout and an architecture, checked before any process starts."""
+        for field, value in (("num_attention_heads", model.num_attention_heads),
+                             ("num_kv_heads", model.num_kv_heads), ("ffn_hidden_size", model.ffn_hidden_size)):
+            if value % self.tp:
+                raise ConfigError(f"tp: {self.tp} does not divide model.{field}={value}")
+        stages = self.pp * self.vpp
+        if model.num_layers % stages:
+            raise ConfigError(f"pp: pp*vpp = {self.pp}*{self.vpp} = {stages} does not divide "
+                              f"model.num_layers={model.num_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adam(W) through Megatron's optimizer, with a warmup + decay learning-rate schedule."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None  # None: constant after warmup
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    use_distributed_optimizer: bool = True
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be positive, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr: {self.min_lr} must lie in [0, lr={self.lr}]")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas: expected two values in [0, 1), got {list(self.betas)}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad: must be >= 0 (0 disables clipping), got {self.clip_grad}")
+        if self.lr_warmup_steps < 0:
+            raise ConfigError(f"lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style != "constant" and not self.lr_decay_steps:
+            raise ConfigError(f"lr_decay_steps: lr_decay_style={self.lr_decay_style!r} needs lr_decay_steps > 0")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ConfigError(f"lr_decay_steps: {self.lr_decay_steps} must exceed lr_warmup_steps="
+                              f"{self.lr_warmup_steps}")

@@ -1,0 +1,1 @@
+"""Batches, prompt datasets, THD packing and micro-batching."""

@@ -1,0 +1,115 @@
+"""Core attention for Megatron's local (non-Transformer-Engine) layer spec.
+
+Megatron-Core's own DotProductAttention refuses context parallelism and packed (THD) input; this module supports both,
+so CP and packing work without TE:
+- CP: K and V are all-gathered over the CP group (backward: the matching reduce-scatter); every query attends to the
+  keys whose global position is not after its own, with Megatron's load-balanced chunk layout (context_parallel.py).
+- THD: `packed_seq_params.cu_seqlens_q(_padded)` gives the boundaries of the packed sequences (full, padded lengths,
+  before the CP split); attention is causal within each sequence and never crosses one.
+Attention is always causal and ignores `attention_mask`: padded batches must be padded on the right.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rlhf_mc.models.context_parallel import cp_positions
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """[...] -> [cp, ...]: every rank's tensor; backward sums the gradients and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(grad[0])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce_scatter
+        return grad[dist.get_rank(ctx.group)], None
+
+
+class LocalCoreAttention(MegatronModule):
+    """Drop-in for megatron.core.transformer.dot_product_attention.DotProductAttention (same constructor)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"LocalCoreAttention supports causal attention only, got {attn_mask_type}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
+        self.cp_group = pg_collection.cp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None):
+        if attention_bias is not None:
+            raise ValueError("LocalCoreAttention does not support attention_bias")
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        if cp_size > 1:
+            key, value = _GatherFromCP.apply(key, self.cp_group), _GatherFromCP.apply(value, self.cp_group)
+        else:
+            key, value = key.unsqueeze(0), value.unsqueeze(0)
+        # key/value: [cp, local_tokens, ...] from here on.
+
+        if packed_seq_params is None:  # sbhd: query [s_local, b, heads, d] -> out [s_local, b, heads*d]
+            s_local = query.size(0)
+            q_pos, k_pos = self._positions(s_local * cp_size, cp_size, cp_rank, query.device)
+            k = key.flatten(0, 1).permute(1, 2, 0, 3)  # [b, groups, cp*s_local, d]
+            v = value.flatten(0, 1).permute(1, 2, 0, 3)
+            out = self._attend(query.permute(1, 2, 0, 3), k, v, q_pos, k_pos)  # [b, heads, s_local, d]
+            return out.permute(2, 0, 1, 3).flatten(2)
+
+        # thd: query [t_local, heads, d] -> out [t_local, heads*d]
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        outs, start = [], 0
+        for seq_len in (cu[1:] - cu[:-1]).tolist():
+            local = seq_len // cp_size
+            q_pos, k_pos = self._positions(seq_len, cp_size, cp_rank, query.device)
+            q = query[start:start + local].transpose(0, 1)  # [heads, local, d]
+            k = key[:, start:start + local].flatten(0, 1).transpose(0, 1)  # [groups, cp*local, d]
+            v = value[:, start:start + local].flatten(0, 1).transpose(0, 1)
+            outs.append(self._attend(q, k, v, q_pos, k_pos).transpose(0, 1))
+            start += local
+        return torch.cat(outs).flatten(1)
+
+    @staticmethod
+    def _positions(seq_len: int, cp_size: int, cp_rank: int, device):
+        """Global positions of the local queries and of the gathered keys (in gather order)."""
+        if cp_size == 1:
+            pos = torch.arange(seq_len, device=device)
+            return pos, pos
+        k_pos = torch.cat([cp_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
+        return cp_positions(seq_len, cp_size, cp_rank, device), k_pos
+
+    def _attend(self, q, k, v, q_pos, k_pos):
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # causal by global position
+        dropout_p = self.dropout_p if self.training else 0.0
+        if dropout_p == 0.0:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # heads differ per TP rank: use the TP-rank stream
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                  scale=self.softmax_scale, enable_gqa=True)

@@ -1,0 +1,133 @@
+"""Megatron-Core GPTModel for the current rank, from a ModelConfig and a ParallelConfig.
+
+Transformer Engine's layer spec when TE imports, Megatron's local spec otherwise (with our core attention, which adds
+context parallelism and packed sequences). One model chunk per virtual pipeline stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_mc.config import ModelConfig, ParallelConfig
+
+Dtype = Literal["float32", "bfloat16"]
+Recompute = Literal["none", "full", "selective"]
+
+
+@functools.cache
+def te_available() -> bool:
+    """Whether Transformer Engine imports (with CUDA); everything else in the package works without it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
+                       recompute: Recompute = "none"):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    params_dtype = getattr(torch, dtype)
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_kv_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        sequence_parallel=False,  # needs apex's LayerNorm on the local path
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bfloat16",
+        # Packed micro-batches differ in length: the pipeline communicates shapes. Except with the interleaved
+        # (VPP) schedule, where the shape messages hung on gloo (measured, PP=2 x VPP=2): there every micro-batch
+        # must have the same length (run_pipeline checks).
+        variable_seq_lengths=parallel.vpp == 1,
+        moe_token_dispatcher_type="alltoall",  # the only dispatcher Megatron allows with variable lengths
+        # Gloo with interleaved pipelines gives silently wrong gradients with batched p2p (measured).
+        batch_p2p_comm=not on_cpu,
+        use_cpu_initialization=on_cpu,
+        # Fused kernels are CUDA-only.
+        masked_softmax_fusion=not on_cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+    )
+
+
+def layer_spec(model: ModelConfig, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+    from rlhf_mc.models.attention import LocalCoreAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, core_attention=LocalCoreAttention)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(attention, submodules=submodules)))
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
+                recompute: Recompute = "none", use_te: bool | None = None) -> list[torch.nn.Module]:
+    """The GPTModel chunks this rank owns (one per virtual pipeline stage), on the current device.
+
+    bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). Needs init_parallel() first.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    parallel.check_model(model)
+    config = transformer_config(model, parallel, dtype, recompute)
+    spec = layer_spec(model, te_available() if use_te is None else use_te)
+    chunks = []
+    for vp_stage in range(parallel.vpp):
+        vp = vp_stage if parallel.vpp > 1 else None
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rope_theta),
+            rope_scaling=model.rope_scaling is not None,
+            rope_scaling_factor=model.rope_scaling.factor if model.rope_scaling else 8.0,
+            vp_stage=vp,
+        )
+        if torch.cuda.is_available():
+            gpt.cuda(torch.cuda.current_device())
+        chunks.append(Float16Module(config, gpt) if config.bf16 else gpt)
+    return chunks

@@ -1,0 +1,44 @@
+"""Forward (and backward) of micro-batches through Megatron's pipeline schedule, for any TP/PP/VPP/CP layout.
+
+A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] (already split for this CP rank), optionally
+`labels` [b, s] (the model then returns per-token cross-entropy instead of logits) and `packed_seq_params`
+(THD input: b == 1, boundaries of the packed sequences in cu_seqlens). Everything else in the dict is for `loss_fn`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn: Callable, forward_only: bool,
+                 ) -> list:
+    """Runs every micro-batch; returns what `loss_fn` reported for each (on the last pipeline stage; [] elsewhere).
+
+    `loss_fn(microbatch, output) -> (loss, report)`: output is the model's output for the micro-batch (logits
+    [b, s, vocab/tp], or per-token loss [b, s] when labels are given). Megatron's schedule scales `loss` by
+    cp_size / num_microbatches before backward; DDP then averages over the data-parallel x context-parallel group.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    lengths = sorted({mb["tokens"].shape for mb in microbatches})
+    if len(lengths) > 1 and not model[0].config.variable_seq_lengths:
+        raise ValueError(f"micro-batch shapes differ ({lengths[0]} ... {lengths[-1]}); with virtual pipeline "
+                         "parallelism (vpp > 1) every micro-batch must have the same shape: pad them to one length")
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"),
+                       packed_seq_params=mb.get("packed_seq_params"))
+        return output, lambda out: loss_fn(mb, out)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(microbatches) for _ in model],
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=lengths[-1][1],
+        micro_batch_size=lengths[-1][0],
+        forward_only=forward_only,
+    )

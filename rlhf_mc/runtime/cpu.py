@@ -1,0 +1,178 @@
+"""Shims that let Megatron-Core run on CPU (gloo), applied only when CUDA is absent.
+
+Megatron-Core hard-codes CUDA in a few places that a CPU run reaches. Each shim below names the Megatron code it serves,
+changes only that, and has a test (tests/test_cpu_shims.py) that shows the failure without it. With CUDA none of this
+is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+
+
+def _rng_tracker() -> None:
+    """megatron/core/tensor_parallel/random.py: CudaRNGStatesTracker.add/fork keep torch.cuda RNG states
+    (`torch.cuda.get_rng_state()` -> "Found no NVIDIA driver"). On CPU the tracked streams are CPU generator states,
+    forked the same way (swap in, run, swap back)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    mrandom.CudaRNGStatesTracker.add = add
+    mrandom._get_cuda_rng_state = lambda *args, clone=False, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+
+
+class _CpuDeviceTorch(types.ModuleType):
+    """`torch` as seen by one Megatron module: tensor factories asked for device "cuda" get the CPU, and
+    torch.cuda.current_device() names the CPU, torch.cuda.synchronize() has nothing to wait for. Everything else is
+    the real torch."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = types.SimpleNamespace(**{k: getattr(torch.cuda, k) for k in dir(torch.cuda)
+                                             if not k.startswith("__")})
+        self.cuda.current_device = lambda: torch.device("cpu")
+        self.cuda.synchronize = lambda device=None: None
+        for name in self._FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch, name)))
+
+    @staticmethod
+    def _on_cpu(factory):
+        @functools.wraps(factory)
+        def wrapper(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return wrapper
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+# Megatron modules that create tensors with device="cuda" or torch.cuda.current_device() on the paths a CPU run
+# reaches: the pipeline schedules (token counters) and their p2p layer (shapes of variable-length micro-batches),
+# gradient clipping (norm buffers), the grad buffers of DDP,
+# the distributed optimizer (shard buffers), the mixed-precision optimizer (found_inf / scale), RoPE (inv_freq), and
+# distributed-checkpoint saving (a device-to-host synchronize, a validation flag all-reduced across ranks), and the
+# grad-norm fallback used without apex/TE (megatron/core/utils.py: local_multi_tensor_l2_norm).
+_CUDA_DEVICE_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.utils",
+)
+
+
+def _cuda_device_factories() -> None:
+    """The modules in _CUDA_DEVICE_MODULES: `torch.zeros(..., device="cuda")` and friends raise without a GPU.
+    Each of those modules gets a `torch` whose factories put "cuda" tensors on the CPU."""
+    cpu_torch = _CpuDeviceTorch()
+    for name in _CUDA_DEVICE_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+
+
+@contextlib.contextmanager
+def _cpu_tensors_typed_as_cuda():
+    """Tensor.type() answers "torch.cuda.FloatTensor" for a CPU float32 tensor (and likewise for bf16/fp16)."""
+    original = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+# (module, attribute path) of the Megatron code that insists on CUDA tensor type names.
+_CUDA_TYPE_CHECKS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # optimizer.py's imported name
+)
+
+
+def _optimizer_param_type_checks() -> None:
+    """megatron/core/optimizer/distrib_optimizer.py, optimizer.py and clip_grads.py accept only
+    `param.type()` in {'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'} when building
+    the main-parameter groups and when clipping, and raise (TypeError / AssertionError) for CPU tensors. Only inside
+    those calls, CPU tensors report the CUDA type names."""
+    for module_name, path in _CUDA_TYPE_CHECKS:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        raw = vars(owner)[name]
+        descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        func = raw.__func__ if descriptor else raw
+
+        @functools.wraps(func)
+        def wrapped(*args, _func=func, **kwargs):
+            with _cpu_tensors_typed_as_cuda():
+                return _func(*args, **kwargs)
+
+        setattr(owner, name, descriptor(wrapped) if descriptor else wrapped)
+
+
+def _rope_cp_slice() -> None:
+    """megatron/core/models/common/embeddings/rope_utils.py: get_pos_emb_on_this_cp_rank builds its chunk index with
+    `torch.tensor(..., pin_memory=True).cuda()` (pinning needs CUDA). Same selection on CPU: the positions this CP
+    rank holds (models/context_parallel.py), taken from the rotary table; patched where rotary_pos_embedding.py
+    imported it."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    from rlhf_mc.models.context_parallel import cp_positions
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        index = cp_positions(pos_emb.size(seq_dim), cp_group.size(), cp_group.rank(), pos_emb.device)
+        return pos_emb.index_select(seq_dim, index)
+
+    rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+SHIMS = {
+    "rng_tracker": _rng_tracker,
+    "cuda_device_factories": _cuda_device_factories,
+    "optimizer_param_type_checks": _optimizer_param_type_checks,
+    "rope_cp_slice": _rope_cp_slice,
+}
+_applied: set[str] = set()
+
+
+def apply_megatron_shims(skip: tuple[str, ...] = ()) -> None:
+    """Applies every shim not in `skip` (tests skip one to show what it fixes). A no-op with CUDA."""
+    if torch.cuda.is_available():
+        return
+    for name, shim in SHIMS.items():
+        if name not in skip and name not in _applied:
+            shim()
+            _applied.add(name)

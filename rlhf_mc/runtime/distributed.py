@@ -1,0 +1,63 @@
+"""torch.distributed and Megatron parallel_state setup for one process of a job.
+
+Environment contract (torchrun's): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+NCCL when CUDA is available, gloo otherwise; without CUDA the Megatron-Core CPU shims are applied first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlhf_mc.config import ParallelConfig
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> None:
+    """Joins the default process group from torchrun-style environment variables (idempotent)."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        from rlhf_mc.runtime import cpu
+
+        cpu.apply_megatron_shims()
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Creates Megatron's TP/PP/VPP/CP/EP/DP groups for `parallel` and seeds every RNG (incl. Megatron's tracker)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel.dp(dist.get_world_size())  # raises a ConfigError naming the fields when the world does not divide
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+    )
+    set_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""Runs a function on N local processes joined in one torch.distributed job (tests, tools, single-machine runs).
+
+Each process gets torchrun's environment, joins the default group (gloo on CPU, NCCL with GPUs), runs
+`fn(*args)`, and hands its return value back. A failing rank's traceback is raised in the caller; the other ranks are
+killed, so nothing lingers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Share the cores: N processes each with every core's worth of threads thrash.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from rlhf_mc.runtime import distributed
+
+    try:
+        distributed.init_distributed()
+        result = fn(*args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        distributed.destroy()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+    """Returns [fn's result on rank 0, ..., rank N-1]. `fn` must be importable (defined at module level)."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="rlhf_mc_spawn_") as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, out_dir, args), daemon=False)
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            _wait(procs, out_dir, timeout_s)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _wait(procs: list, out_dir: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"distributed job did not finish within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if failed:
+        rank = failed[0]
+        err = Path(out_dir) / f"rank{rank}.err"
+        detail = err.read_text() if err.exists() else f"exit code {procs[rank].exitcode}"
+        raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{detail}")
