@@ -25,7 +25,12 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
+        arms = [arm for arm in typing.get_args(tp) if arm is not type(None)]
+        if value is None and len(arms) < len(typing.get_args(tp)):
+            return None
+        if len(arms) == 1:  # Optional[X]: X's own error says more than "not X | None"
+            return _check_type(value, arms[0], path)
+        for arm in arms:
             try:
                 return _check_type(value, arm, path)
             except ConfigError:

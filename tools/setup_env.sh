@@ -10,13 +10,16 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+pip_install() {
+  # This machine's pip config lists local indexes that lack most projects; pip warns once per such project.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
 # Torch first and pinned: anything that lets pip choose it freely downloads a multi-GB CUDA build.
-"${PIP[@]}" torch==2.14.1 torchvision==0.29.1
+pip_install torch==2.14.1 torchvision==0.29.1
 # SGLang's own requirements minus CUDA-only packages (requirements/sglang-cpu.txt), then SGLang itself without deps.
-"${PIP[@]}" -r requirements/sglang-cpu.txt
-"${PIP[@]}" --no-deps sglang==0.5.23
+pip_install -r requirements/sglang-cpu.txt
+pip_install --no-deps sglang==0.5.23
 # The package, its test extras, and the Megatron-Core release for this Python.
-"${PIP[@]}" -e ".[test]" "megatron-core==0.16.1" torch==2.14.1 torchvision==0.29.1
-"$VENV/bin/python" -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
+pip_install -e ".[test]" "megatron-core==0.16.1" torch==2.14.1 torchvision==0.29.1
+"$VENV/bin/python" -W ignore -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"

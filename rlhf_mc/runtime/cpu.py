@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib
 import types
+import warnings
 
 import torch
 
@@ -172,6 +173,12 @@ def apply_megatron_shims(skip: tuple[str, ...] = ()) -> None:
     """Applies every shim not in `skip` (tests skip one to show what it fixes). A no-op with CUDA."""
     if torch.cuda.is_available():
         return
+    unknown = set(skip) - set(SHIMS)
+    if unknown:
+        raise ValueError(f"skip: unknown shim(s) {sorted(unknown)}; known: {sorted(SHIMS)}")
+    # Expected on CPU, printed once per process and module otherwise.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(are|is) not installed")
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
     for name, shim in SHIMS.items():
         if name not in skip and name not in _applied:
             shim()

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from rlhf_mc.config import ParallelConfig
 
 
-def init_distributed(timeout_minutes: float = 30.0) -> None:
-    """Joins the default process group from torchrun-style environment variables (idempotent)."""
+def init_distributed(timeout_minutes: float = 30.0, skip_cpu_shims: tuple[str, ...] = ()) -> None:
+    """Joins the default process group from torchrun-style environment variables (idempotent).
+
+    `skip_cpu_shims` is for the tests that show what each shim fixes."""
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -27,7 +29,7 @@ def init_distributed(timeout_minutes: float = 30.0) -> None:
     else:
         from rlhf_mc.runtime import cpu
 
-        cpu.apply_megatron_shims()
+        cpu.apply_megatron_shims(skip=skip_cpu_shims)
         backend = "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
@@ -46,6 +48,11 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
     )
     set_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def device() -> torch.device:
+    """The device this process computes on: its GPU, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def set_seed(seed: int) -> None:

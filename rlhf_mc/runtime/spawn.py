@@ -25,7 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple,
+           skip_cpu_shims: tuple[str, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Share the cores: N processes each with every core's worth of threads thrash.
@@ -33,7 +34,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
     from rlhf_mc.runtime import distributed
 
     try:
-        distributed.init_distributed()
+        distributed.init_distributed(skip_cpu_shims=skip_cpu_shims)
         result = fn(*args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
@@ -43,12 +44,13 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
         distributed.destroy()
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0,
+          skip_cpu_shims: tuple[str, ...] = ()) -> list[Any]:
     """Returns [fn's result on rank 0, ..., rank N-1]. `fn` must be importable (defined at module level)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="rlhf_mc_spawn_") as out_dir:
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, out_dir, args), daemon=False)
+        procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, out_dir, args, skip_cpu_shims))
                  for rank in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,50 @@
+"""The shipped model configs: each loads, and the real ones reproduce their published parameter counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf_mc.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
+
+# Parameter counts the model cards publish (safetensors totals), in billions.
+PUBLISHED = {
+    "llama3.1-8b": 8.030,
+    "llama3.1-70b": 70.554,
+    "qwen2.5-7b": 7.616,
+    "qwen3-0.6b": 0.596,
+    "qwen3-8b": 8.191,
+    "mistral-7b": 7.248,
+}
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Counted from the architecture fields alone, as the HF implementation lays the weights out."""
+    q, kv = m.num_attention_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
+    if m.qkv_bias:
+        attention += q + 2 * kv
+    if m.qk_norm:
+        attention += 2 * m.head_dim
+    mlp = 3 * m.hidden_size * m.ffn_hidden_size
+    layer = attention + mlp + 2 * m.hidden_size
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+    return m.num_layers * layer + embeddings + m.hidden_size
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_model_matches_published_size(name):
+    config = ModelConfig.from_yaml(CONFIGS / f"{name}.yaml")
+    assert parameter_count(config) / 1e9 == pytest.approx(PUBLISHED[name], rel=2e-3)
+
+
+def test_every_config_loads_and_tiny_models_cover_each_family():
+    configs = [ModelConfig.from_yaml(p) for p in sorted(CONFIGS.glob("*.yaml"))]
+    assert {c.name for c in configs} >= set(PUBLISHED)
+    tiny = {c.family: c for c in configs if c.name.startswith("tiny-")}
+    assert set(tiny) == {"llama", "qwen2", "qwen3", "mistral"}
+    assert tiny["qwen2"].qkv_bias and tiny["qwen3"].qk_norm and tiny["qwen3"].tie_embeddings
+    assert all(c.num_kv_heads < c.num_attention_heads for c in tiny.values())  # GQA
