@@ -71,30 +71,12 @@ def _microbatches(tokens: torch.Tensor, packed: bool) -> tuple[list[dict], list[
     return mbs, ids
 
 
-def _sharded_state_dict(chunks):
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
-def _save(chunks, path: Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    path.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(path))
-
-
-def _load(chunks, path: Path) -> None:
-    from megatron.core import dist_checkpointing
-
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"model{i}"])
-
-
 def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool, ckpt: str, reference: bool) -> dict:
     """Runs forward (logits), forward+backward and one optimizer step. The reference saves checkpoints of its
     weights, gradients and stepped weights; the others compare with them and report max abs differences."""
     from megatron.core import parallel_state as ps
 
+    from rlhf_mc.models.checkpoint import load_model, save_model
     from rlhf_mc.models.context_parallel import gather_from_cp
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.models.pipeline import run_pipeline
@@ -105,9 +87,9 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
     init_parallel(parallel, seed=1)
     chunks = build_model(MODEL, parallel)
     if reference:
-        _save(chunks, ckpt / "weights0")
+        save_model(chunks, ckpt / "weights0")
     else:
-        _load(chunks, ckpt / "weights0")
+        load_model(chunks, ckpt / "weights0")
     state = setup_training(chunks, dataclasses.replace(OPTIM, use_distributed_optimizer=distributed_optimizer))
     mbs, ids = _microbatches(_batch(), packed)
 
@@ -140,16 +122,16 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
         for chunk, grad_chunk in zip(chunks, grads):
             for p, g in zip(chunk.parameters(), grad_chunk.parameters()):
                 g.data.copy_(p.main_grad)
-        _save(grads, ckpt / "grads")
+        save_model(grads, ckpt / "grads")
     elif not distributed_optimizer:  # which keeps only its shard of the gradients on each DP x CP rank
-        _load(grads, ckpt / "grads")
+        load_model(grads, ckpt / "grads")
         result["grad_diff"] = _max_diffs(chunks, grads, lambda p: p.main_grad)
     result["step"] = state.step()
     if reference:
-        _save(chunks, ckpt / "weights1")
+        save_model(chunks, ckpt / "weights1")
     else:
         stepped = build_model(MODEL, parallel)
-        _load(stepped, ckpt / "weights1")
+        load_model(stepped, ckpt / "weights1")
         result["param_diff"] = _max_diffs(chunks, stepped, lambda p: p.data)
     return result
 

@@ -18,17 +18,14 @@ MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_confi
 
 
 def _logits(use_te: bool, ckpt: str, save: bool) -> torch.Tensor:
-    from megatron.core import dist_checkpointing
-
+    from rlhf_mc.models.checkpoint import load_model, save_model
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import device, init_parallel
 
     init_parallel(ParallelConfig(), seed=3)
-    (model,) = build_model(MODEL, ParallelConfig(), use_te=use_te)
-    if save:
-        dist_checkpointing.save(model.sharded_state_dict(), ckpt)
-    else:
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
+    chunks = build_model(MODEL, ParallelConfig(), use_te=use_te)
+    (save_model if save else load_model)(chunks, Path(ckpt) / "weights")
+    (model,) = chunks
     tokens = torch.randint(0, MODEL.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(device())
     with torch.no_grad():
         return model(tokens, torch.arange(32, device=device()).expand(2, 32), None).float().cpu()

@@ -1,0 +1,1 @@
+"""HF <-> Megatron: config translation, the weight mapping, sharded loading and streaming export."""

@@ -1,0 +1,131 @@
+"""Checkpoint conversion HF <-> Megatron distributed checkpoint, run as local multi-process jobs.
+
+Everything that can be checked is checked in the calling process before any worker starts. Outputs are written under
+a temporary name and renamed when complete.
+
+A converted Megatron checkpoint directory holds the torch_dist files, `rlhf_mc.json` (model config, dtype, the
+layout it was saved at) and `hf/` (the source config.json and tokenizer files, passed through to a later export).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from rlhf_mc.bridge.hf_config import check_matches, hf_config_from_model, model_config_from_hf, read_hf_config
+from rlhf_mc.bridge.safetensors_io import HFCheckpoint, copy_passthrough_files, write_hf_checkpoint
+from rlhf_mc.config import ModelConfig, ParallelConfig, from_dict
+from rlhf_mc.runtime.spawn import spawn
+
+METADATA = "rlhf_mc.json"
+
+
+def _check_new_output(out: Path) -> None:
+    if out.exists():
+        raise FileExistsError(f"output already exists: {out}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"output's parent directory does not exist: {out.parent}")
+
+
+def model_config_for_hf(hf_dir: str | Path, model_config: str | Path | None = None) -> ModelConfig:
+    """The model config of an HF checkpoint: derived from its config.json, or the given YAML checked against it."""
+    hf = read_hf_config(hf_dir)
+    if model_config is None:
+        return model_config_from_hf(hf, name=Path(hf_dir).name)
+    model = ModelConfig.from_yaml(model_config)
+    check_matches(model, hf)
+    return model
+
+
+def read_metadata(ckpt: str | Path) -> tuple[ModelConfig, str]:
+    """(model config, dtype) of a checkpoint written by hf_to_mcore."""
+    path = Path(ckpt) / METADATA
+    if not (Path(ckpt) / "metadata.json").is_file() or not path.is_file():
+        raise FileNotFoundError(f"not an rlhf_mc distributed checkpoint (no metadata.json / {METADATA}): {ckpt}")
+    meta = json.loads(path.read_text())
+    return from_dict(ModelConfig, meta["model"], "model"), meta["dtype"]
+
+
+def hf_to_mcore(hf_dir: str | Path, out: str | Path, parallel: ParallelConfig, dtype: str = "float32",
+                model_config: str | Path | None = None, progress: bool = True) -> Path:
+    hf_dir, out = Path(hf_dir), Path(out)
+    _check_new_output(out)
+    model = model_config_for_hf(hf_dir, model_config)
+    parallel.check_model(model)
+    HFCheckpoint(hf_dir)  # opens every shard: a missing file fails here
+    spawn(_hf_to_mcore_worker, parallel.model_parallel_size, str(hf_dir), str(out), model, parallel, dtype, progress)
+    return out
+
+
+def _hf_to_mcore_worker(hf_dir: str, out: str, model: ModelConfig, parallel: ParallelConfig, dtype: str,
+                        progress: bool) -> None:
+    import torch.distributed as dist
+
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models.checkpoint import save_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+
+    init_parallel(parallel)
+    chunks = build_model(model, parallel, dtype=dtype)
+    load_hf_weights(chunks, hf_dir, model, progress=progress and dist.get_rank() == 0)
+
+    def add_files(tmp: Path) -> None:
+        meta = {"model": dataclasses.asdict(model), "dtype": dtype, "saved_with": dataclasses.asdict(parallel)}
+        (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "hf").mkdir()
+        shutil.copy2(Path(hf_dir) / "config.json", tmp / "hf" / "config.json")
+        copy_passthrough_files(Path(hf_dir), tmp / "hf")
+
+    save_model(chunks, out, add_files=add_files)
+
+
+def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig = ParallelConfig(),
+                progress: bool = True, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Exports a checkpoint written by hf_to_mcore (at any layout) as an HF checkpoint; loads at `parallel`."""
+    ckpt, out = Path(ckpt), Path(out)
+    _check_new_output(out)
+    model, _ = read_metadata(ckpt)
+    parallel.check_model(model)
+    spawn(_mcore_to_hf_worker, parallel.model_parallel_size, str(ckpt), str(out), parallel, progress,
+          max_shard_bytes)
+    return out
+
+
+def _mcore_to_hf_worker(ckpt: str, out: str, parallel: ParallelConfig, progress: bool, max_shard_bytes: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights
+    from rlhf_mc.models.checkpoint import load_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+
+    model, dtype = read_metadata(ckpt)
+    init_parallel(parallel)
+    chunks = build_model(model, parallel, dtype=dtype)
+    load_model(chunks, ckpt)
+    plan = build_export_plan(chunks, model)
+    source = Path(ckpt) / "hf"
+    config = read_hf_config(source) if (source / "config.json").is_file() else hf_config_from_model(model, dtype)
+    # Tensors are written in the dtype the HF config declares (the source's), whatever dtype the model trained in.
+    out_dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or dtype)
+    tensors = ((name, tensor.to(out_dtype)) for bucket in export_hf_weights(chunks, plan, model)
+               for name, tensor in bucket)
+    if dist.get_rank() != 0:
+        for _ in tensors:  # take part in the collectives
+            pass
+        return
+    out, tmp = Path(out), Path(out).with_name(Path(out).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    names = sum(len(entry.rule.hf_names) for entry in plan.entries)
+    write_hf_checkpoint(tqdm(tensors, total=names, desc="export HF weights", disable=not progress), tmp,
+                        max_shard_bytes)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_passthrough_files(source, tmp)
+    tmp.rename(out)
+

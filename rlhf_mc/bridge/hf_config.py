@@ -1,0 +1,126 @@
+"""HF config.json <-> ModelConfig, per supported architecture.
+
+Reads both transformers 5.x configs (rope settings in `rope_parameters`) and the 4.x layout most published checkpoints
+carry (`rope_theta`, `rope_scaling` at the top level). Anything the Megatron model would compute differently (a
+sliding window, a rope type Megatron lacks, an activation other than SiLU) is refused with the field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from rlhf_mc.config import ConfigError, ModelConfig, RopeScaling
+
+# HF architecture -> our family. All four share the Llama weight layout; the differences are config switches.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {hf_dir}")
+    return json.loads(path.read_text())
+
+
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default or llama3)")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
+    return float(theta), RopeScaling(**{k: v for k, v in scaling.items() if k in fields})
+
+
+def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
+    """The ModelConfig of an HF config.json dict; ConfigError naming the field for anything unsupported."""
+    architectures = hf.get("architectures") or []
+    arch = next((a for a in architectures if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(f"architectures: {architectures} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    family = ARCHITECTURES[arch]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: {hf['hidden_act']!r} is not supported (silu)")
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", family == "mistral")
+    if uses_window and window is not None and window < hf["max_position_embeddings"]:
+        raise ConfigError(f"sliding_window: {window} is not supported (the Megatron model attends to the full "
+                          f"context; max_position_embeddings={hf['max_position_embeddings']})")
+    if hf.get("mlp_bias"):
+        raise ConfigError("mlp_bias: true is not supported")
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        family=family,
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(hf.get("attention_bias", family == "qwen2")),
+        qk_norm=family == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        name=name,
+    )
+
+
+def check_matches(model: ModelConfig, hf: dict) -> None:
+    """Refuses an HF checkpoint whose config differs from `model` in any architecture field, naming it."""
+    derived = model_config_from_hf(hf, name=model.name)
+    for field in dataclasses.fields(ModelConfig):
+        if field.name == "name":
+            continue
+        ours, theirs = getattr(model, field.name), getattr(derived, field.name)
+        if ours != theirs:
+            raise ConfigError(f"{field.name}: model config has {ours!r} but the HF checkpoint's config.json has "
+                              f"{theirs!r}")
+
+
+def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
+    """A transformers config.json for `model` (used when exporting a checkpoint that did not come from HF)."""
+    arch = next(a for a, f in ARCHITECTURES.items() if f == model.family)
+    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+    if model.rope_scaling is not None:
+        rope = {**dataclasses.asdict(model.rope_scaling), "rope_type": "llama3", "rope_theta": model.rope_theta}
+        rope.pop("type")
+    config = {
+        "architectures": [arch],
+        "model_type": _MODEL_TYPES[model.family],
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.ffn_hidden_size,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rope_parameters": rope,
+        "rope_theta": model.rope_theta,
+        "rms_norm_eps": model.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": model.tie_embeddings,
+        "dtype": dtype,
+    }
+    if model.family in ("llama", "qwen3"):
+        config["attention_bias"] = model.qkv_bias
+    if model.family == "mistral":
+        config["sliding_window"] = None
+    return config

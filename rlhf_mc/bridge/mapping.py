@@ -1,0 +1,118 @@
+"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral) and Megatron-Core's GPTModel.
+
+One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP shards it, and its layout:
+- "plain": one HF tensor; TP splits dim `tp_dim` (None: replicated).
+- "qkv":   Megatron fuses q, k, v per query group g: [q_g (heads/groups * head_dim rows); k_g; v_g] for each g, and TP
+           rank r holds groups [r*G/tp, (r+1)*G/tp). HF keeps q_proj, k_proj, v_proj apart.
+- "gate_up": Megatron's SwiGLU fc1 on TP rank r is [gate_r; up_r]; gathering TP shards is an un-interleave, not a
+           concat.
+Shards are read from / assembled to HF tensors here; nothing else in the package knows these layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal, Protocol
+
+import torch
+
+from rlhf_mc.config import ModelConfig
+
+
+class Reader(Protocol):
+    def shape(self, name: str) -> list[int]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """The slice [start:stop) of an HF tensor along dim (dim None: the whole tensor)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron_name: str  # global name, e.g. decoder.layers.7.self_attention.linear_qkv.weight
+    hf_names: tuple[str, ...]
+    layout: Literal["plain", "qkv", "gate_up"] = "plain"
+    tp_dim: int | None = None
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Megatron parameter (suffix inside a layer; TE spec names after the |) -> (HF suffix(es) in the layer, layout, tp dim)
+_LAYER_RULES = {
+    "input_layernorm.weight|self_attention.linear_qkv.layer_norm_weight":
+        (("input_layernorm.weight",), "plain", None),
+    "self_attention.linear_qkv.weight":
+        (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv", 0),
+    "self_attention.linear_qkv.bias":
+        (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv", 0),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "plain", None),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "plain", None),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "plain", 1),
+    "pre_mlp_layernorm.weight|mlp.linear_fc1.layer_norm_weight":
+        (("post_attention_layernorm.weight",), "plain", None),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "plain", 1),
+}
+_LAYER_RULES = {name: rule for names, rule in _LAYER_RULES.items() for name in names.split("|")}
+
+
+def rule_for(megatron_name: str, model: ModelConfig) -> Rule:
+    """The rule of a Megatron parameter given by its global name; KeyError names an unmapped parameter."""
+    if megatron_name == "embedding.word_embeddings.weight":
+        return Rule(megatron_name, ("model.embed_tokens.weight",), "plain", 0)
+    if megatron_name == "output_layer.weight":
+        # With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding.
+        hf = "model.embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"
+        return Rule(megatron_name, (hf,), "plain", 0)
+    if megatron_name == "decoder.final_layernorm.weight":
+        return Rule(megatron_name, ("model.norm.weight",), "plain", None)
+    match = _LAYER.match(megatron_name)
+    if match and match.group(2) in _LAYER_RULES:
+        layer, suffix = match.groups()
+        hf_suffixes, layout, tp_dim = _LAYER_RULES[suffix]
+        return Rule(megatron_name, tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), layout, tp_dim)
+    raise KeyError(f"no HF mapping for Megatron parameter {megatron_name}")
+
+
+def is_exported(rule: Rule, model: ModelConfig) -> bool:
+    """Tied models export the embedding once (from the first stage), not the last stage's copy."""
+    return not (model.tie_embeddings and rule.megatron_name == "output_layer.weight")
+
+
+def _qkv_sizes(model: ModelConfig) -> tuple[int, int]:
+    """(rows of q per query group, rows of k (= of v) per group)."""
+    return model.num_attention_heads // model.num_kv_heads * model.head_dim, model.head_dim
+
+
+def read_shard(rule: Rule, reader: Reader, model: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's shard of the Megatron parameter, reading only the HF slices it needs."""
+    read = reader.read
+    if rule.layout == "plain":
+        if rule.tp_dim is None:
+            return read(rule.hf_names[0])
+        step = reader.shape(rule.hf_names[0])[rule.tp_dim] // tp_size
+        return read(rule.hf_names[0], rule.tp_dim, tp_rank * step, (tp_rank + 1) * step)
+    if rule.layout == "gate_up":
+        step = model.ffn_hidden_size // tp_size
+        return torch.cat([read(name, 0, tp_rank * step, (tp_rank + 1) * step) for name in rule.hf_names])
+    q_rows, kv_rows = _qkv_sizes(model)
+    groups = model.num_kv_heads // tp_size
+    first = tp_rank * groups
+    q, k, v = (read(name, 0, first * rows, (first + groups) * rows)
+               for name, rows in zip(rule.hf_names, (q_rows, kv_rows, kv_rows)))
+    per_group = [t.reshape(groups, rows, *t.shape[1:]) for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows))]
+    return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+
+def to_hf(rule: Rule, shards: list[torch.Tensor], model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the TP shards (in TP rank order) of one Megatron parameter."""
+    if rule.layout == "plain":
+        full = shards[0] if rule.tp_dim is None else torch.cat(shards, dim=rule.tp_dim)
+        return [(rule.hf_names[0], full)]
+    if rule.layout == "gate_up":
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return [(name, torch.cat([h[i] for h in halves])) for i, name in enumerate(rule.hf_names)]
+    q_rows, kv_rows = _qkv_sizes(model)
+    fused = torch.cat(shards)  # TP ranks hold consecutive query groups
+    grouped = fused.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *fused.shape[1:])
+    q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
+    return [(name, t.reshape(-1, *fused.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]

@@ -1,0 +1,147 @@
+"""Moving weights between an HF checkpoint and this rank's Megatron model chunks.
+
+load_hf_weights: each rank reads only the slices of its own shards.
+ExportPlan + export_hf_weights: full HF tensors streamed from a sharded model, bucket by bucket (broadcast from the
+owning pipeline stage, gathered over TP, converted to HF layout). The plan is computed once per model and holds no
+tensors, so nothing in it can go stale between exports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rlhf_mc.bridge.hf_config import check_matches, read_hf_config
+from rlhf_mc.bridge.mapping import Rule, is_exported, read_shard, rule_for, to_hf
+from rlhf_mc.bridge.safetensors_io import HFCheckpoint
+from rlhf_mc.config import ModelConfig
+
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):  # DDP, Float16Module
+        chunk = chunk.module
+    return chunk
+
+
+def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter]]:
+    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters."""
+    for index, chunk in enumerate(chunks):
+        gpt = _unwrap(chunk)
+        for name, param in gpt.named_parameters():
+            match = _LOCAL_LAYER.match(name)
+            if match:  # local layer j -> global layer number (1-based in Megatron)
+                layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1
+                name_global = f"decoder.layers.{layer}.{name[match.end():]}"
+            else:
+                name_global = name
+            yield index, name, name_global, param
+
+
+def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False) -> None:
+    """Loads an HF checkpoint into this rank's chunks; refuses a config that differs from `model`."""
+    from megatron.core import parallel_state as ps
+
+    check_matches(model, read_hf_config(hf_dir))
+    ckpt = HFCheckpoint(hf_dir)
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    params = list(local_parameters(chunks))
+    for _, _, name, param in tqdm(params, desc="load HF weights", disable=not progress):
+        rule = rule_for(name, model)
+        shard = read_shard(rule, ckpt, model, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: HF tensors {list(rule.hf_names)} give a shard of shape {list(shard.shape)}, "
+                             f"the model expects {list(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    rule: Rule
+    pp_rank: int  # owning pipeline stage
+    chunk: int  # virtual stage index on the owner
+    local_name: str
+    shape: tuple[int, ...]  # full (TP-gathered) Megatron shape
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    entries: tuple[PlanEntry, ...]
+    buckets: tuple[tuple[int, ...], ...]  # entry indices per bucket
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**20) -> ExportPlan:
+    """Every exported parameter of the model with its owner, shape and dtype, grouped in buckets of at most
+    `bucket_bytes` (a larger tensor gets a bucket of its own). Collective over the pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    local = []
+    for chunk, local_name, name, param in local_parameters(chunks):
+        rule = rule_for(name, model)
+        if is_exported(rule, model):
+            shape = list(param.shape)
+            if rule.tp_dim is not None:
+                shape[rule.tp_dim] *= tp
+            local.append((rule, chunk, local_name, tuple(shape), param.dtype))
+    per_stage = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(per_stage, local, group=ps.get_pipeline_model_parallel_group())
+    entries = tuple(PlanEntry(rule, pp_rank, chunk, local_name, shape, dtype)
+                    for pp_rank, items in enumerate(per_stage) for rule, chunk, local_name, shape, dtype in items)
+    buckets, current, size = [], [], 0
+    for i, entry in enumerate(entries):
+        if current and size + entry.nbytes > bucket_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(i)
+        size += entry.nbytes
+    if current:
+        buckets.append(tuple(current))
+    return ExportPlan(entries, tuple(buckets))
+
+
+def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yields, bucket by bucket, [(HF name, full tensor), ...] on every rank. Collective: every rank of the model's
+    TP x PP groups must iterate it to the end."""
+    from megatron.core import parallel_state as ps
+
+    pp_rank, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
+    tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
+    device = next(iter(params.values())).device
+    for bucket in plan.buckets:
+        out = []
+        for entry in (plan.entries[i] for i in bucket):
+            tp_dim = entry.rule.tp_dim
+            if entry.pp_rank == pp_rank:
+                local = params[(entry.chunk, entry.local_name)].detach()
+                if tp_dim is not None and tp > 1:
+                    shards = [torch.empty_like(local) for _ in range(tp)]
+                    dist.all_gather(shards, local.contiguous(), group=tp_group)
+                    full = torch.cat(shards, dim=tp_dim)
+                else:
+                    full = local.clone()
+            else:
+                full = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+            if dist.get_world_size(pp_group) > 1:
+                dist.broadcast(full, src=dist.get_global_rank(pp_group, entry.pp_rank), group=pp_group)
+            shards = full.chunk(tp, dim=tp_dim) if tp_dim is not None else [full]
+            out.extend(to_hf(entry.rule, list(shards), model))
+        yield out
+
