@@ -14,18 +14,19 @@ from rlhf_mc.runtime import cpu
 from rlhf_mc.runtime.spawn import spawn
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
-MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_configs" / "tiny-llama.yaml")
+CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 
 
-def _train_step(parallel: ParallelConfig) -> float:
+def _train_step(parallel: ParallelConfig, model_name: str = "tiny-llama") -> float:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.models.pipeline import run_pipeline
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
 
+    model = ModelConfig.from_yaml(CONFIGS / f"{model_name}.yaml")
     init_parallel(parallel)
-    state = setup_training(build_model(MODEL, parallel), OptimizerConfig(lr=1e-3))
-    tokens = torch.randint(0, MODEL.vocab_size, (2, 16))
+    state = setup_training(build_model(model, parallel), OptimizerConfig(lr=1e-3))
+    tokens = torch.randint(0, model.vocab_size, (2, 16))
     batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, 16)}
     state.zero_grad()
     run_pipeline(state.model, [batch], lambda mb, out: (out.sum(), {}), forward_only=False)
@@ -41,6 +42,8 @@ CASES = {
                                     "in _build_model_and_main_param_groups",
                                     "TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor"),
     "rope_cp_slice": (2, ParallelConfig(cp=2), "embeddings/rope_utils.py", "in get_pos_emb_on_this_cp_rank", NO_GPU),
+    "tied_embedding_sync": (2, ParallelConfig(pp=2), "language_module/language_module.py",
+                            "in setup_embeddings_and_output_layer", NO_GPU),
 }
 
 
@@ -52,7 +55,7 @@ def test_every_shim_has_a_case():
 def test_job_fails_without_shim(shim):
     world, parallel, megatron_file, function, error = CASES[shim]
     with pytest.raises(RuntimeError) as failure:
-        spawn(_train_step, world, parallel, skip_cpu_shims=(shim,))
+        spawn(_train_step, world, parallel, "tiny-qwen3", skip_cpu_shims=(shim,))  # tied embeddings
     frames = re.findall(r'File "[^"]*/megatron/core/([^"]+)", line \d+, (in \w+)', str(failure.value))
     assert frames, "no Megatron frame in the traceback"
     failing_file, failing_function = frames[-1]

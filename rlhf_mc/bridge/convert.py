@@ -48,6 +48,28 @@ def read_metadata(ckpt: str | Path) -> tuple[ModelConfig, str]:
     return from_dict(ModelConfig, meta["model"], "model"), meta["dtype"]
 
 
+def checkpoint_model_config(ckpt: str | Path) -> tuple[ModelConfig, str]:
+    """(model config, dtype) of an HF checkpoint directory or of a distributed checkpoint written by hf_to_mcore."""
+    ckpt = Path(ckpt)
+    if (ckpt / METADATA).is_file():
+        return read_metadata(ckpt)
+    if (ckpt / "config.json").is_file():
+        hf = read_hf_config(ckpt)
+        return model_config_from_hf(hf, name=ckpt.name), "float32"
+    raise FileNotFoundError(f"neither an HF checkpoint (config.json) nor an rlhf_mc checkpoint ({METADATA}): {ckpt}")
+
+
+def load_weights(chunks, ckpt: str | Path, model: ModelConfig, progress: bool = False) -> None:
+    """Loads either kind of checkpoint (see checkpoint_model_config) into this rank's chunks."""
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models.checkpoint import load_model
+
+    if (Path(ckpt) / METADATA).is_file():
+        load_model(chunks, ckpt)
+    else:
+        load_hf_weights(chunks, ckpt, model, progress=progress)
+
+
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, parallel: ParallelConfig, dtype: str = "float32",
                 model_config: str | Path | None = None, progress: bool = True) -> Path:
     hf_dir, out = Path(hf_dir), Path(out)

@@ -113,12 +113,22 @@ def _cpu_tensors_typed_as_cuda():
         torch.Tensor.type = original
 
 
-# (module, attribute path) of the Megatron code that insists on CUDA tensor type names.
-_CUDA_TYPE_CHECKS = (
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
-    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # optimizer.py's imported name
-)
+def _wrap_in_context(module_name: str, path: str, context) -> None:
+    """Replaces the function or method at `module.path` by one that runs inside `context()`."""
+    owner = importlib.import_module(module_name)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    raw = vars(owner)[name]
+    descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    func = raw.__func__ if descriptor else raw
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        with context():
+            return func(*args, **kwargs)
+
+    setattr(owner, name, descriptor(wrapped) if descriptor else wrapped)
 
 
 def _optimizer_param_type_checks() -> None:
@@ -126,21 +136,30 @@ def _optimizer_param_type_checks() -> None:
     `param.type()` in {'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor'} when building
     the main-parameter groups and when clipping, and raise (TypeError / AssertionError) for CPU tensors. Only inside
     those calls, CPU tensors report the CUDA type names."""
-    for module_name, path in _CUDA_TYPE_CHECKS:
-        owner = importlib.import_module(module_name)
-        *parents, name = path.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        raw = vars(owner)[name]
-        descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-        func = raw.__func__ if descriptor else raw
+    for module_name, path in (
+        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+        ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+        ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # optimizer.py's imported name
+    ):
+        _wrap_in_context(module_name, path, _cpu_tensors_typed_as_cuda)
 
-        @functools.wraps(func)
-        def wrapped(*args, _func=func, **kwargs):
-            with _cpu_tensors_typed_as_cuda():
-                return _func(*args, **kwargs)
 
-        setattr(owner, name, descriptor(wrapped) if descriptor else wrapped)
+@contextlib.contextmanager
+def _cuda_copy_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _tied_embedding_sync() -> None:
+    """megatron/core/models/common/language_module/language_module.py: with tied embeddings and PP > 1,
+    setup_embeddings_and_output_layer moves the shared weight with `weight.data.cuda()` before all-reducing it
+    between the first and last stage. Only inside that call, `.cuda()` leaves CPU tensors where they are."""
+    _wrap_in_context("megatron.core.models.common.language_module.language_module",
+                     "LanguageModule.setup_embeddings_and_output_layer", _cuda_copy_is_identity)
 
 
 def _rope_cp_slice() -> None:
@@ -165,6 +184,7 @@ SHIMS = {
     "cuda_device_factories": _cuda_device_factories,
     "optimizer_param_type_checks": _optimizer_param_type_checks,
     "rope_cp_slice": _rope_cp_slice,
+    "tied_embedding_sync": _tied_embedding_sync,
 }
 _applied: set[str] = set()
 
