@@ -56,7 +56,7 @@ def score(ckpt: str, sequences: list[list[int]], parallel: ParallelConfig) -> li
 
     model, dtype = checkpoint_model_config(ckpt)
     init_parallel(parallel)
-    chunks = build_model(model, parallel, dtype=dtype)
+    chunks = build_model(model, parallel, dtype=dtype, init_weights=False)
     load_weights(chunks, ckpt, model)
     for chunk in chunks:
         chunk.eval()

@@ -91,7 +91,7 @@ def _hf_to_mcore_worker(hf_dir: str, out: str, model: ModelConfig, parallel: Par
     from rlhf_mc.runtime import init_parallel
 
     init_parallel(parallel)
-    chunks = build_model(model, parallel, dtype=dtype)
+    chunks = build_model(model, parallel, dtype=dtype, init_weights=False)
     load_hf_weights(chunks, hf_dir, model, progress=progress and dist.get_rank() == 0)
 
     def add_files(tmp: Path) -> None:
@@ -128,7 +128,7 @@ def _mcore_to_hf_worker(ckpt: str, out: str, parallel: ParallelConfig, progress:
 
     model, dtype = read_metadata(ckpt)
     init_parallel(parallel)
-    chunks = build_model(model, parallel, dtype=dtype)
+    chunks = build_model(model, parallel, dtype=dtype, init_weights=False)
     load_model(chunks, ckpt)
     plan = build_export_plan(chunks, model)
     source = Path(ckpt) / "hf"

@@ -32,7 +32,7 @@ def te_available() -> bool:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
-                       recompute: Recompute = "none"):
+                       recompute: Recompute = "none", init_weights: bool = True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
@@ -70,6 +70,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
         # Gloo with interleaved pipelines gives silently wrong gradients with batched p2p (measured).
         batch_p2p_comm=not on_cpu,
         use_cpu_initialization=on_cpu,
+        perform_initialization=init_weights,
         # Fused kernels are CUDA-only.
         masked_softmax_fusion=not on_cpu,
         bias_activation_fusion=False,
@@ -98,17 +99,19 @@ def layer_spec(model: ModelConfig, use_te: bool):
 
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
-                recompute: Recompute = "none", use_te: bool | None = None) -> list[torch.nn.Module]:
+                recompute: Recompute = "none", use_te: bool | None = None, init_weights: bool = True,
+                ) -> list[torch.nn.Module]:
     """The GPTModel chunks this rank owns (one per virtual pipeline stage), on the current device.
 
-    bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). Needs init_parallel() first.
+    bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). `init_weights=False` leaves the weights
+    uninitialized, for a checkpoint to fill (faster, and no full-size init buffers). Needs init_parallel() first.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     parallel.check_model(model)
-    config = transformer_config(model, parallel, dtype, recompute)
+    config = transformer_config(model, parallel, dtype, recompute, init_weights)
     spec = layer_spec(model, te_available() if use_te is None else use_te)
     chunks = []
     for vp_stage in range(parallel.vpp):

@@ -1,0 +1,46 @@
+"""Shared by the bench scripts: JSON-line output and peak memory of a piece of work, child processes included."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import psutil
+
+
+def emit(**fields) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+@contextmanager
+def peak_memory(interval_s: float = 0.02):
+    """Samples the RSS of this process's descendants (the measured work runs in child processes, so the bench
+    process's own memory does not count); yields a dict that, after the block, holds `peak_total_mb` (largest sum
+    over the children), `peak_process_mb` (largest single child) and `seconds`."""
+    me = psutil.Process()
+    result = {"peak_total_mb": 0.0, "peak_process_mb": 0.0, "seconds": 0.0}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            sizes = []
+            for proc in me.children(recursive=True):
+                try:
+                    sizes.append(proc.memory_info().rss / 2**20)
+                except psutil.Error:
+                    pass
+            result["peak_total_mb"] = max(result["peak_total_mb"], sum(sizes))
+            result["peak_process_mb"] = max(result["peak_process_mb"], max(sizes, default=0.0))
+            stop.wait(interval_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result["seconds"] = time.perf_counter() - start
