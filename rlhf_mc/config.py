@@ -239,3 +239,41 @@ class OptimizerConfig:
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
             raise ConfigError(f"lr_decay_steps: {self.lr_decay_steps} must exceed lr_warmup_steps="
                               f"{self.lr_warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """SGLang rollout engines: launched as child processes, or attached to running servers by address."""
+
+    model_path: str = ""  # HF checkpoint directory the servers start from (unused when attaching)
+    num_engines: int = 1  # data-parallel engines, each its own SGLang server
+    tp: int = 1  # tensor-parallel size of each engine
+    addresses: tuple[str, ...] = ()  # "host:port" of running servers: attach instead of launching
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: pick free ports
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill_size: int | None = None
+    max_total_tokens: int | None = None  # KV cache tokens; on CPU defaults to 65536 (SGLang's default reserves GBs)
+    mem_fraction_static: float | None = None
+    deterministic: bool = False  # --enable-deterministic-inference: honours per-sample seeds (GPU backends only)
+    max_concurrency: int = 64  # requests in flight through our client, over all engines
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    max_restarts: int = 3  # per engine, for crashed servers
+    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
+
+    def __post_init__(self):
+        if not self.addresses and not self.model_path:
+            raise ConfigError("rollout.model_path: required unless rollout.addresses attaches to running servers")
+        for name in ("num_engines", "tp", "max_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.addresses and len(self.addresses) != self.num_engines:
+            raise ConfigError(f"rollout.addresses: {len(self.addresses)} addresses for num_engines={self.num_engines}")
+        for address in self.addresses:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"rollout.addresses: {address!r} is not host:port")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"rollout.context_length: must be >= 2, got {self.context_length}")

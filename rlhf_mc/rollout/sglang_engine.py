@@ -1,0 +1,379 @@
+"""RolloutEngine on SGLang: data-parallel servers launched and supervised here (or attached by address), requests
+from token ids with bounded concurrency and client-side load balancing, weight updates through SGLang's APIs.
+
+Failure handling:
+- a request that fails because its server died restarts that server (up to rollout.max_restarts) and is retried;
+- a restarted server comes back with its launch weights plus the last update from disk: its weight version says so
+  (tensor / broadcast updates must be pushed again by the caller; the samples' versions show which they are);
+- a failed weight update restarts a dead server before raising, so no dead engine is left behind.
+sglang-router is not used (not installed here); balancing is least-requests-in-flight on the client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import json
+import logging
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+import requests
+import torch
+
+from rlhf_mc.config import RolloutConfig
+from rlhf_mc.rollout import cpu
+from rlhf_mc.rollout.base import RolloutSample, SamplingParams
+from rlhf_mc.rollout.sglang_server import ServerProcess
+from rlhf_mc.runtime.spawn import free_port
+
+log = logging.getLogger(__name__)
+LAUNCH_VERSION = -1  # the weights a server was launched with
+INCONSISTENT_VERSION = -2  # an attached server whose update failed half-way
+
+
+class WeightUpdateError(RuntimeError):
+    pass
+
+
+class EngineDown(RuntimeError):
+    pass
+
+
+def _version(text: str | None) -> int:
+    return int(text) if text is not None and text.lstrip("-").isdigit() else LAUNCH_VERSION
+
+
+class SGLangEngine:
+    def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rlhf_mc_sglang_"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers: list[ServerProcess | None] = []
+        if cfg.addresses:
+            self.urls = [f"http://{address}" for address in cfg.addresses]
+            self.servers = [None] * len(self.urls)
+        else:
+            for i in range(cfg.num_engines):
+                port = cfg.base_port + i if cfg.base_port else free_port()
+                self.servers.append(ServerProcess(i, cfg, port, self.log_dir))
+            self.urls = [s.url for s in self.servers]
+        self.versions = [LAUNCH_VERSION] * len(self.urls)  # weight version each engine holds
+        self.stats: collections.Counter = collections.Counter()
+        self._disk_weights: tuple[str, int] | None = None  # last update from disk, re-applied after a restart
+        self._weight_group: str | None = None  # name of the broadcast group (connect_weight_group)
+        self._inflight = [0] * len(self.urls)
+        self._restarts = [0] * len(self.urls)
+        self._restart_locks = [threading.Lock() for _ in self.urls]
+        self._lock = threading.Lock()
+        self._session = requests.Session()
+        self._session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=cfg.max_concurrency + 8))
+        self._closed = False
+        atexit.register(self.shutdown)
+        try:
+            for server in self.servers:
+                if server is not None:
+                    server.start()
+            for server in self.servers:
+                if server is not None:
+                    server.wait_ready(cfg.startup_timeout_s)
+            # SGLang 0.5.23 (managers/tp_worker.py, scheduler.py): max_req_len = context_len - 1, prompts must be
+            # shorter than max_req_input_len = max_req_len - 5, and a response ends at max_req_len - 1 tokens in all.
+            max_input = self._call(0, "GET", "/get_server_info", None, timeout=30)["max_req_input_len"]
+            self.max_prompt_length = max_input - 1
+            self.max_sequence_length = max_input + 4  # prompt + response
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---------------------------------------------------------------- requests
+
+    def _call(self, engine: int, method: str, path: str, payload: dict | None, timeout: float | None = None):
+        response = self._session.request(method, self.urls[engine] + path, json=payload,
+                                         timeout=timeout or self.cfg.request_timeout_s)
+        try:
+            body = response.json() if response.content else {}
+        except ValueError:  # some routes (/flush_cache) answer in plain text
+            body = {"text": response.text}
+        if response.status_code >= 500:
+            raise requests.ConnectionError(f"engine {engine} {path}: HTTP {response.status_code}: {body}")
+        if response.status_code >= 400 or (isinstance(body, dict) and body.get("success") is False):
+            raise RuntimeError(f"engine {engine} {path}: HTTP {response.status_code}: {json.dumps(body)[:500]}")
+        return body
+
+    def _pick_engine(self, avoid: int | None) -> int:
+        with self._lock:
+            candidates = [i for i in range(len(self.urls)) if i != avoid] or [avoid]
+            engine = min(candidates, key=lambda i: self._inflight[i])
+            self._inflight[engine] += 1
+            return engine
+
+    def _generate_request(self, payload: dict) -> tuple[int, list | dict]:
+        """Posts one /generate request; a server that died is restarted and the request retried."""
+        avoid = None
+        for _ in range(self.cfg.max_restarts + 2):
+            engine = self._pick_engine(avoid)
+            try:
+                return engine, self._call(engine, "POST", "/generate", payload)
+            except (requests.ConnectionError, requests.Timeout) as error:
+                self.stats["request_retries"] += 1
+                log.warning("engine %d failed a request (%s); recovering", engine, error)
+                self._recover(engine)
+                avoid = engine if len(self.urls) > 1 else None
+            finally:
+                with self._lock:
+                    self._inflight[engine] -= 1
+        raise EngineDown(f"request failed {self.cfg.max_restarts + 2} times")
+
+    def _healthy(self, engine: int) -> bool:
+        server = self.servers[engine]
+        if server is not None and not server.alive():
+            return False
+        try:
+            return self._session.get(self.urls[engine] + "/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _recover(self, engine: int, force: bool = False) -> None:
+        """Restarts a launched server that is dead or unresponsive (or, with `force`, whose weights are in an
+        unknown state after a failed update); re-applies the last weights from disk."""
+        with self._restart_locks[engine]:
+            if not force and self._healthy(engine):
+                return
+            server = self.servers[engine]
+            if server is None:
+                self.versions[engine] = INCONSISTENT_VERSION
+                raise EngineDown(f"attached engine {self.urls[engine]} needs a restart, but it was not launched "
+                                 "here")
+            if self._restarts[engine] >= self.cfg.max_restarts:
+                raise EngineDown(f"engine {engine} needs restart {self._restarts[engine] + 1} > rollout.max_restarts"
+                                 f"={self.cfg.max_restarts}; log tail:\n{server.log_tail()}")
+            self._restarts[engine] += 1
+            self.stats["engine_restarts"] += 1
+            log.warning("restarting SGLang engine %d (restart %d)", engine, self._restarts[engine])
+            server.stop()
+            server.start()
+            server.wait_ready(self.cfg.startup_timeout_s)
+            self.versions[engine] = LAUNCH_VERSION
+            if self._disk_weights is not None:
+                path, version = self._disk_weights
+                self._call(engine, "POST", "/update_weights_from_disk",
+                           {"model_path": path, "weight_version": str(version)})
+                self.versions[engine] = version
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
+        if sampling.seed is not None and not self.cfg.deterministic:
+            raise ValueError("sampling.seed: SGLang honours per-sample seeds only with rollout.deterministic=true "
+                             "(--enable-deterministic-inference, GPU attention backends)")
+        params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                  "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False}
+        samples: list[RolloutSample] = []
+        jobs = []  # (prompt index, first sample index, payload, max_new_tokens capped by the context)
+        for p, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompts[{p}]: empty prompt")
+            budget = self.max_sequence_length - len(prompt)
+            if len(prompt) > self.max_prompt_length:  # the server refuses it: reported and counted, never cut
+                self.stats["prompt_over_context"] += 1
+                samples += [RolloutSample(p, i, [], [], "context_length", self.versions[0]) for i in range(sampling.n)]
+                continue
+            max_new = min(sampling.max_new_tokens, budget)
+            if sampling.seed is None:
+                groups = [(0, {**params, "n": sampling.n, "max_new_tokens": max_new})]
+            else:
+                groups = [(i, {**params, "max_new_tokens": max_new, "sampling_seed": sampling.seed + i})
+                          for i in range(sampling.n)]
+            for first, sp in groups:
+                jobs.append((p, first, {"input_ids": prompt, "sampling_params": sp, "return_logprob": True},
+                             max_new < sampling.max_new_tokens))
+        with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(jobs)))) as pool:
+            results = list(pool.map(lambda job: self._generate_request(job[2]), jobs))
+        for (p, first, _, capped), (engine, outputs) in zip(jobs, results):
+            for offset, out in enumerate(outputs if isinstance(outputs, list) else [outputs]):
+                samples.append(self._sample(p, first + offset, engine, out, capped))
+        samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
+        return samples
+
+    def _sample(self, prompt: int, index: int, engine: int, out: dict, capped: bool) -> RolloutSample:
+        meta = out["meta_info"]
+        reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "abort"
+        if reason == "length" and capped:  # stopped by the context limit, not by max_new_tokens
+            reason = "context_length"
+            self.stats["response_over_context"] += 1
+        logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
+        return RolloutSample(prompt, index, list(out["output_ids"]), logprobs, reason,
+                             _version(meta.get("weight_version")), engine)
+
+    # ---------------------------------------------------------------- weights
+
+    @property
+    def weight_version(self) -> int:
+        return min(self.versions)
+
+    def _update_all(self, send: Callable[[], None], version: int, what: str) -> None:
+        """Runs `send` (which updates every engine); on any failure restarts every engine, so none is left dead
+        or with half-updated weights, and raises."""
+        try:
+            send()
+        except Exception as error:
+            for engine in range(len(self.urls)):
+                self._recover(engine, force=True)
+            raise WeightUpdateError(f"weight update {what} to version {version} failed ({error}); engines restarted,"
+                                    f" versions now {self.versions}") from error
+        self.versions = [version] * len(self.urls)
+
+    def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """Colocated: bucket by bucket, HF-named tensors are handed to every engine by reference (CUDA IPC handles
+        on GPU, shared files on CPU), not copied through HTTP; one bucket is alive at a time."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if cpu.on_cpu():
+            cpu.prepare_tensor_sender()
+        engines = range(len(self.urls))
+
+        def send() -> None:
+            for engine in engines:
+                self._call(engine, "POST", "/begin_weight_update", {})
+            for bucket in buckets:
+                payload = MultiprocessingSerializer.serialize(bucket, output_str=True)
+                for engine in engines:
+                    self._call(engine, "POST", "/update_weights_from_tensor",
+                               {"serialized_named_tensors": [payload] * self.cfg.tp, "flush_cache": False,
+                                "weight_version": str(version)})
+            for engine in engines:
+                self._call(engine, "POST", "/end_weight_update", {})
+                self._call(engine, "POST", "/flush_cache", None)
+
+        self._update_all(send, version, "from tensors")
+
+    def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
+                             group_name: str = "rlhf_mc_weights"):
+        """Disaggregated: a process group between the caller (rank 0) and every engine rank (ranks 1..), for
+        update_weights_from_distributed. Returns the caller's group."""
+        from sglang.srt.utils import init_custom_process_group
+
+        world_size = 1 + self.cfg.tp * len(self.urls)
+        threads = []
+        for engine in range(len(self.urls)):
+            payload = {"master_address": master_address, "master_port": master_port,
+                       "rank_offset": 1 + engine * self.cfg.tp, "world_size": world_size,
+                       "group_name": group_name, "backend": backend}
+            threads.append(self._in_thread(
+                lambda e=engine, p=payload: self._call(e, "POST", "/init_weights_update_group", p)))
+        group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                          world_size=world_size, rank=0, group_name=group_name,
+                                          timeout=datetime.timedelta(seconds=self.cfg.request_timeout_s))
+        for thread in threads:
+            thread.join_or_raise()
+        self._weight_group = group_name
+        return group
+
+    def update_weights_from_distributed(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                                        broadcast: Callable[[], None], version: int) -> None:
+        """The engines post-receive the tensors named in `metadata` (in order) while `broadcast()` sends each from
+        rank 0 of the weight group (connect_weight_group)."""
+        if self._weight_group is None:
+            raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first")
+        payload = {"names": [m[0] for m in metadata], "dtypes": [str(m[1]).removeprefix("torch.") for m in metadata],
+                   "shapes": [list(m[2]) for m in metadata], "group_name": self._weight_group,
+                   "flush_cache": True, "weight_version": str(version)}
+
+        def send() -> None:
+            engines = range(len(self.urls))
+            for engine in engines:
+                self._call(engine, "POST", "/begin_weight_update", {})
+            calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
+                                                                 payload))
+                     for engine in engines]
+            try:
+                broadcast()  # a receiver that refused makes this time out (the group's timeout), not hang
+            finally:
+                for call in calls:
+                    call.join_or_raise()
+            for engine in engines:
+                self._call(engine, "POST", "/end_weight_update", {})
+
+        self._update_all(send, version, "from distributed")
+
+    def update_weights_from_disk(self, path: str, version: int) -> None:
+        def send() -> None:
+            for engine in range(len(self.urls)):
+                self._call(engine, "POST", "/update_weights_from_disk",
+                           {"model_path": str(path), "weight_version": str(version)})
+
+        self._update_all(send, version, f"from disk ({path})")
+        self._disk_weights = (str(path), version)
+
+    @staticmethod
+    def _in_thread(fn: Callable[[], object]) -> "_Call":
+        call = _Call(fn)
+        call.start()
+        return call
+
+    # ---------------------------------------------------------------- phases
+
+    def _all(self, path: str, payload: dict | None = None, retries: int = 0) -> None:
+        for engine in range(len(self.urls)):
+            for attempt in range(retries + 1):
+                try:
+                    self._call(engine, "POST", path, payload)
+                    break
+                except RuntimeError:
+                    if attempt == retries:
+                        raise
+                    time.sleep(0.5)
+
+    def pause(self) -> None:
+        self._all("/pause_generation", {})
+
+    def resume(self) -> None:
+        self._all("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._all("/flush_cache")
+
+    def release_memory(self) -> None:
+        # Right after an update the scheduler can still be busy and refuses ("not idle"): retry briefly.
+        self._all("/release_memory_occupation", {}, retries=20)
+
+    def resume_memory(self) -> None:
+        self._all("/resume_memory_occupation", {}, retries=20)
+
+    def healthy(self) -> bool:
+        return all(self._healthy(engine) for engine in range(len(self.urls)))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for server in self.servers:
+            if server is not None:
+                server.stop()
+        self._session.close()
+        atexit.unregister(self.shutdown)
+
+
+class _Call(threading.Thread):
+    """A thread that keeps its function's exception for the joiner."""
+
+    def __init__(self, fn: Callable[[], object]):
+        super().__init__(daemon=True)
+        self.fn, self.error = fn, None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as error:  # noqa: BLE001
+            self.error = error
+
+    def join_or_raise(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,102 @@
+"""One SGLang server as a supervised child process: start, wait until it serves, stop its whole process tree."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+from rlhf_mc.config import RolloutConfig
+from rlhf_mc.rollout import cpu
+
+
+class ServerProcess:
+    def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path):
+        self.index, self.cfg, self.port = index, cfg, port
+        self.url = f"http://{cfg.host}:{port}"
+        self.log_path = log_dir / f"sglang_engine{index}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        cfg = self.cfg
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+               "--port", str(self.port), "--tp-size", str(cfg.tp), "--dtype", cfg.dtype,
+               # We send and receive token ids only: no tokenizer in the server, no retokenization.
+               "--skip-tokenizer-init"]
+        if cfg.context_length is not None:
+            cmd += ["--context-length", str(cfg.context_length)]
+        if cfg.chunked_prefill_size is not None:
+            cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
+        if cfg.deterministic:
+            cmd += ["--enable-deterministic-inference"]
+        if cpu.on_cpu():
+            cmd += cpu.server_args(cfg.max_total_tokens, cfg.mem_fraction_static)
+        else:
+            if cfg.max_total_tokens is not None:
+                cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+            if cfg.mem_fraction_static is not None:
+                cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        return cmd + list(cfg.extra_args)
+
+    def start(self) -> None:
+        env = cpu.server_env(dict(os.environ), self.cfg.tp) if cpu.on_cpu() else dict(os.environ)
+        with open(self.log_path, "ab") as log:
+            # Own session: the server and its scheduler processes form one process group we can signal whole.
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"SGLang engine {self.index} exited with code {self.proc.returncode} during "
+                                   f"start-up; log tail ({self.log_path}):\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health_generate", timeout=10).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"SGLang engine {self.index} did not serve within {timeout_s:.0f} s; log tail "
+                           f"({self.log_path}):\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in tree:
+                try:
+                    proc.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(tree, timeout=grace_s)
+            if not alive:
+                break
+            tree = alive
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything else left in its session
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_bytes()[-20000:].decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,46 @@
+"""Session-wide fixtures: one tiny HF model written by transformers, and one SGLang engine serving it (a real server
+on CPU, started once per test session because start-up takes ~25 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+
+def write_tiny_qwen2(out: Path, seed: int = 0, layers: int = 2) -> Path:
+    """A random Qwen2-family model (GQA, qkv bias), far from init so that layout mistakes show; fp32."""
+    import transformers as T
+
+    config = T.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                           rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = T.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory) -> Path:
+    return write_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2") / "model")
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(tiny_hf_model, tmp_path_factory):
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), dtype="float32", max_restarts=2),
+                          log_dir=tmp_path_factory.mktemp("sglang_logs"))
+    yield engine
+    pids = [p.pid for s in engine.servers if s and s.proc
+            for p in [psutil.Process(s.proc.pid), *psutil.Process(s.proc.pid).children(recursive=True)]]
+    engine.shutdown()
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"], \
+        "SGLang processes left behind after shutdown"

@@ -1,0 +1,182 @@
+"""The SGLang rollout engine against transformers, on a real SGLang server on CPU (fp32).
+Generation stops at the model's EOS (config.json) and at the given stop tokens, in both.
+
+Tolerance for log-probs: 1e-4 absolute (fp32 on both sides; measured ~3e-6).
+The tests share one engine (conftest.py); a test that changes the weights restores the launch weights from disk.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_mc.rollout.base import SamplingParams
+from rlhf_mc.rollout.sglang_engine import LAUNCH_VERSION, WeightUpdateError
+from rlhf_mc.runtime.spawn import free_port
+from conftest import write_tiny_qwen2
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200], list(range(20, 60))]
+TOL = 1e-4
+
+
+def _hf(path):
+    import transformers as T
+
+    return T.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _greedy(model, prompt, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)  # stops at the model's EOS, as the engine does
+    return out[0, len(prompt):].tolist()
+
+
+def _logprobs(model, prompt, response, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _assert_greedy_matches(engine, model, version):
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))
+    for prompt, sample in zip(PROMPTS, samples):
+        assert sample.response_ids == _greedy(model, prompt, 10)
+        assert sample.weight_version == version
+        assert (torch.tensor(sample.logprobs) - _logprobs(model, prompt, sample.response_ids)).abs().max() < TOL
+
+
+def test_greedy_generation_and_logprobs_equal_transformers(sglang_engine, tiny_hf_model):
+    _assert_greedy_matches(sglang_engine, _hf(tiny_hf_model), LAUNCH_VERSION)
+
+
+def test_n_samples_with_temperature_scaled_logprobs(sglang_engine, tiny_hf_model):
+    model = _hf(tiny_hf_model)
+    samples = sglang_engine.generate(PROMPTS[:2], SamplingParams(n=4, temperature=0.7, max_new_tokens=12))
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(2) for i in range(4)]
+    assert len({tuple(s.response_ids) for s in samples if s.prompt_index == 0}) > 1, "4 identical samples"
+    for s in samples:
+        assert len(s.response_ids) == len(s.logprobs)
+        assert (s.finish_reason, len(s.response_ids)) == ("length", 12) or \
+            (s.finish_reason, s.response_ids[-1]) == ("stop", model.config.eos_token_id)
+        expected = _logprobs(model, PROMPTS[s.prompt_index], s.response_ids, temperature=0.7)
+        assert (torch.tensor(s.logprobs) - expected).abs().max() < TOL
+
+
+def test_stop_token_ends_the_response(sglang_engine, tiny_hf_model):
+    greedy = _greedy(_hf(tiny_hf_model), PROMPTS[0], 10)
+    stop = greedy[3]
+    (sample,) = sglang_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10,
+                                                                    stop_token_ids=(stop,)))
+    assert sample.finish_reason == "stop"
+    assert sample.response_ids == greedy[:greedy.index(stop) + 1]
+
+
+def test_context_limit_is_reported_not_cut(sglang_engine):
+    engine = sglang_engine
+    before = dict(engine.stats)
+    near_limit = [3] * engine.max_prompt_length  # the longest prompt the server takes
+    too_long = [3] * (engine.max_prompt_length + 1)
+    room = engine.max_sequence_length - len(near_limit)
+    assert 0 < room < 20
+    samples = engine.generate([near_limit, too_long, [4, 5]], SamplingParams(temperature=0, max_new_tokens=20))
+    assert samples[0].finish_reason == "context_length" and len(samples[0].response_ids) == room
+    assert samples[1].finish_reason == "context_length" and samples[1].response_ids == []
+    assert samples[2].finish_reason == "length" and len(samples[2].response_ids) == 20
+    assert engine.stats["response_over_context"] == before.get("response_over_context", 0) + 1
+    assert engine.stats["prompt_over_context"] == before.get("prompt_over_context", 0) + 1
+
+
+def test_seed_needs_a_deterministic_engine(sglang_engine):
+    with pytest.raises(ValueError, match="sampling.seed: SGLang honours per-sample seeds only with "
+                                         "rollout.deterministic=true"):
+        sglang_engine.generate(PROMPTS, SamplingParams(seed=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="seeded sampling needs SGLang's --enable-deterministic-inference, which 0.5.23 supports "
+                           "only with GPU attention backends (fa3, flashinfer, triton, ...), not on CPU")
+def test_fixed_seed_reproduces_samples(tiny_hf_model, tmp_path):
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), deterministic=True), log_dir=tmp_path)
+    try:
+        sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=7)
+        first, second = engine.generate(PROMPTS, sampling), engine.generate(PROMPTS, sampling)
+        assert [s.response_ids for s in first] == [s.response_ids for s in second]
+        assert len({tuple(s.response_ids) for s in first if s.prompt_index == 0}) > 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def new_weights(tmp_path):
+    return write_tiny_qwen2(tmp_path / "new", seed=1)
+
+
+@pytest.fixture
+def restore_launch_weights(sglang_engine, tiny_hf_model):
+    yield
+    sglang_engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
+
+
+def test_update_from_tensors(sglang_engine, new_weights, restore_launch_weights):
+    model = _hf(new_weights)
+    state = list(model.state_dict().items())
+    sglang_engine.update_weights_from_tensors([state[:10], state[10:]], version=3)  # two buckets
+    assert sglang_engine.weight_version == 3
+    _assert_greedy_matches(sglang_engine, model, 3)
+
+
+def test_update_from_distributed(sglang_engine, new_weights, restore_launch_weights):
+    model = _hf(new_weights)
+    group = sglang_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
+    tensors = list(model.state_dict().items())
+
+    def broadcast():
+        for _, tensor in tensors:
+            dist.broadcast(tensor.contiguous(), src=0, group=group)
+
+    sglang_engine.update_weights_from_distributed([(n, t.dtype, tuple(t.shape)) for n, t in tensors], broadcast,
+                                                  version=4)
+    _assert_greedy_matches(sglang_engine, model, 4)
+
+
+def test_update_from_disk(sglang_engine, new_weights, restore_launch_weights):
+    sglang_engine.update_weights_from_disk(str(new_weights), version=5)
+    _assert_greedy_matches(sglang_engine, _hf(new_weights), 5)
+
+
+def test_failed_update_leaves_a_working_engine(sglang_engine, tiny_hf_model, restore_launch_weights):
+    bad = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, 3))]  # wrong shape
+    with pytest.raises(WeightUpdateError):
+        sglang_engine.update_weights_from_tensors([bad], version=6)
+    assert sglang_engine.healthy()
+    _assert_greedy_matches(sglang_engine, _hf(tiny_hf_model), LAUNCH_VERSION)
+
+
+def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_hf_model):
+    engine = sglang_engine
+    restarts = engine.stats["engine_restarts"]
+    prompts = [[i % 200 + 3, 7, 9] for i in range(32)]
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        samples=engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=200))))
+    worker.start()
+    while engine._inflight[0] == 0:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert worker.is_alive(), "the batch finished before the kill: make it longer"
+    engine.servers[0].proc.kill()  # the server's main process; its schedulers follow
+    worker.join(timeout=300)
+    assert not worker.is_alive()
+    assert engine.stats["engine_restarts"] == restarts + 1
+    model = _hf(tiny_hf_model)
+    for prompt, sample in zip(prompts[:2], result["samples"][:2]):
+        assert sample.response_ids == _greedy(model, prompt, 200)
+    assert len(result["samples"]) == len(prompts) and engine.healthy()
