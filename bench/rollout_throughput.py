@@ -1,0 +1,90 @@
+"""Rollout tokens/s through rlhf_mc's SGLang engine vs the raw SGLang server (one batched HTTP request) vs
+transformers' generate, same model and batch, in one invocation. Prints JSON lines with the ratios.
+
+    .venv/bin/python bench/rollout_throughput.py [--prompts 64 --n 8 --new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit  # noqa: E402
+from rlhf_mc.config import RolloutConfig  # noqa: E402
+from rlhf_mc.rollout.base import SamplingParams  # noqa: E402
+from rlhf_mc.rollout.sglang_engine import SGLangEngine  # noqa: E402
+
+
+def write_model(out: Path):
+    import transformers as T
+
+    config = T.Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024,
+                           bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = T.Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    args = parser.parse_args()
+    prompts = torch.randint(0, 2048, (args.prompts, args.prompt_len), generator=torch.Generator().manual_seed(1))
+    prompts = prompts.tolist()
+    common = dict(bench="rollout_throughput", prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_model(Path(tmp) / "model")
+        params = sum(p.numel() for p in model.parameters())
+        engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32",
+                                            max_concurrency=args.prompts))
+        try:
+            sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens)
+            engine.generate(prompts[:2], sampling)  # warm-up
+            start = time.perf_counter()
+            samples = engine.generate(prompts, sampling)
+            ours_s = time.perf_counter() - start
+            ours_tokens = sum(len(s.response_ids) for s in samples)
+
+            payload = {"input_ids": prompts, "return_logprob": True,
+                       "sampling_params": {"n": args.n, "temperature": 1.0, "max_new_tokens": args.new_tokens}}
+            start = time.perf_counter()
+            raw = requests.post(engine.urls[0] + "/generate", json=payload, timeout=3600).json()
+            raw_s = time.perf_counter() - start
+            raw_tokens = sum(len(o["output_ids"]) for o in raw)
+        finally:
+            engine.shutdown()
+
+        torch.manual_seed(0)
+        batch = torch.tensor(prompts).repeat_interleave(args.n, dim=0)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
+                                 top_k=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 pad_token_id=0)
+        hf_s = time.perf_counter() - start
+        hf_tokens = (out.size(1) - batch.size(1)) * out.size(0)
+
+    ours, raw_tps, hf = ours_tokens / ours_s, raw_tokens / raw_s, hf_tokens / hf_s
+    emit(**common, params=params, system="transformers_generate", tokens=hf_tokens, seconds=round(hf_s, 2),
+         tokens_per_s=round(hf, 1))
+    emit(**common, params=params, system="sglang_raw_http", tokens=raw_tokens, seconds=round(raw_s, 2),
+         tokens_per_s=round(raw_tps, 1), vs_transformers=round(raw_tps / hf, 2))
+    emit(**common, params=params, system="rlhf_mc_engine", tokens=ours_tokens, seconds=round(ours_s, 2),
+         tokens_per_s=round(ours, 1), vs_sglang_raw=round(ours / raw_tps, 2), vs_transformers=round(ours / hf, 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""RL estimators and losses as pure functions on [batch, response_len] tensors with a response mask.
+
+Conventions follow verl's where they are deliberate (users compare numbers), each stated where it applies. Where
+verl's behaviour is an accident we do better: masked positions never enter a sum (scores, losses, whitening), and an
+all-masked batch gives a zero loss, not NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+LOG_RATIO_CLAMP = 20.0  # verl: log-ratios are clamped to +-20 before exp
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return torch.where(mask.bool(), x, torch.zeros_like(x)).sum() if dim is None else \
+        torch.where(mask.bool(), x, torch.zeros_like(x)).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over masked-in entries; 0 where there are none (never NaN)."""
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked-in entries only (unbiased variance); masked positions become 0."""
+    mask = mask.bool()
+    count = mask.sum()
+    mean = masked_mean(x, mask)
+    var = masked_sum((x - mean) ** 2, mask) / (count - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+    """Reduces a per-token loss [B, T] to a scalar.
+
+    token-mean: over all masked-in tokens; seq-mean-token-sum: mean over sequences of each sequence's token sum;
+    seq-mean-token-mean: mean over sequences (with at least one token) of each sequence's token mean.
+    An all-masked batch gives 0."""
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    per_seq = masked_sum(loss, mask, dim=-1)
+    has_tokens = mask.sum(-1) > 0
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss aggregation: unknown mode {mode!r}")
+    return masked_mean(per_seq, has_tokens)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def _broadcast(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return scores.unsqueeze(-1) * mask.to(scores.dtype)
+
+
+def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (score - group mean) / (group std + eps), broadcast over the response tokens.
+
+    verl's conventions: the std is the unbiased one (torch.std) and eps is 1e-6; a group of one sample has mean 0
+    and std 1, so it keeps its score. `norm_by_std=False` is Dr. GRPO (mean only).
+    scores [B]; group [B] (group id per sample, e.g. its prompt index); mask [B, T]."""
+    adv = torch.empty_like(scores)
+    for g in torch.unique(group):
+        members = group == g
+        s = scores[members]
+        if s.numel() == 1:
+            mean, std = torch.zeros((), dtype=s.dtype), torch.ones((), dtype=s.dtype)
+        else:
+            mean, std = s.mean(), s.std()
+        adv[members] = (s - mean) / (std + eps) if norm_by_std else s - mean
+    return _broadcast(adv, mask)
+
+
+def rloo_advantages(scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO: score minus the mean score of the other samples of its group; a group of one keeps its score."""
+    adv = torch.empty_like(scores)
+    for g in torch.unique(group):
+        members = group == g
+        s = scores[members]
+        n = s.numel()
+        adv[members] = s if n == 1 else s - (s.sum() - s) / (n - 1)
+    return _broadcast(adv, mask)
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Return-to-go over the masked-in tokens: masked positions neither add reward nor break the chain."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    mask = mask.to(token_rewards.dtype)
+    for t in reversed(range(token_rewards.size(1))):
+        running = mask[:, t] * (token_rewards[:, t] + gamma * running) + (1 - mask[:, t]) * running
+        returns[:, t] = running * mask[:, t]
+    return returns
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                            ) -> torch.Tensor:
+    """REINFORCE++: discounted return-to-go of the token rewards (score at the last token, minus the KL penalty per
+    token when KL is in the reward), whitened over all masked-in tokens of the batch."""
+    return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask)
+
+
+def reinforce_pp_baseline_advantages(scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
+                                     ) -> torch.Tensor:
+    """REINFORCE++ with baseline: score minus its group mean, broadcast over the tokens, whitened over the batch."""
+    centered = torch.empty_like(scores)
+    for g in torch.unique(group):
+        members = group == g
+        centered[members] = scores[members] - scores[members].mean()
+    return masked_whiten(_broadcast(centered, mask), mask)
+
+
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 1.0, whiten: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE. Returns (advantages, returns = advantages + values). The value after the last token is 0. Masked
+    positions are skipped: they carry the next value and the running estimate through unchanged (verl's newer
+    convention), and get 0. Advantages are whitened over masked-in tokens when `whiten`."""
+    mask = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.size(1))):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        updated = delta + gamma * lam * running
+        running = mask[:, t] * updated + (1 - mask[:, t]) * running
+        next_value = mask[:, t] * values[:, t] + (1 - mask[:, t]) * next_value
+        advantages[:, t] = running * mask[:, t]
+    returns = (advantages + values) * mask
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- KL
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from the sampled tokens' log-probs.
+
+    k1: log r with r = pi/ref; k2: (log r)^2 / 2; k3 (low_var_kl, verl's): ref/pi - log(ref/pi) - 1 with
+    log(ref/pi) clamped to +-20 and the result to [-10, 10]."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    if estimator == "k3":
+        kl = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"kl estimator: unknown {estimator!r} (k1, k2, k3)")
+
+
+def token_rewards_with_kl(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """KL in the reward: -beta * kl on every response token, plus the score on the last masked-in token."""
+    rewards = -beta * kl * mask.to(kl.dtype)
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()
+    return rewards + last.to(kl.dtype) * scores.unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------- policy and value losses
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float | None = None, dual_clip: float | None = None,
+                mode: Literal["ppo", "gspo"] = "ppo", aggregation: Aggregation = "token-mean",
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped policy-gradient loss and its statistics.
+
+    ppo: token ratio exp(clamp(logp - old, +-20)); loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
+      clip_high (DAPO's clip-higher) defaults to clip_low.
+    dual_clip c (> 1): where A < 0 the loss is capped at -A c (verl: only for negative advantages).
+    gspo: the sequence-level ratio exp(mean over the sequence's tokens of (logp - old)), its log clamped above at
+      10, applied per token as sg[s_i] * pi/sg[pi] (GSPO-token); use with aggregation "seq-mean-token-mean".
+    token_weights: per-token weights (truncated importance sampling), applied to the per-token loss.
+    Stats: clip_fraction (tokens where the clipped branch is taken), approx_kl (mean of old - logp)."""
+    clip_high = clip_low if clip_high is None else clip_high
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip: must be > 1, got {dual_clip}")
+    log_ratio = logprobs - old_logprobs
+    if mode == "ppo":
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    elif mode == "gspo":
+        seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)
+        token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+        ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    else:
+        raise ValueError(f"policy loss mode: unknown {mode!r}")
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    if token_weights is not None:
+        loss = loss * token_weights.detach()
+    stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), mask).detach(),
+             "approx_kl": masked_mean(-log_ratio, mask).detach()}
+    return aggregate(loss, mask, aggregation), stats
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                                 cap: float = 2.0) -> torch.Tensor:
+    """TIS: min(pi_old_trainer / pi_rollout, cap) per token, for the gap between the rollout engine's log-probs and
+    the trainer's (different kernels, precisions). Detached."""
+    return torch.exp((old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap).detach()
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float = 0.2, aggregation: Aggregation = "token-mean") -> tuple[torch.Tensor, dict]:
+    """Clipped value loss, verl's convention: 0.5 x the aggregated max of the clipped and unclipped squared error."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), mask, aggregation)
+    return loss, {"value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask).detach()}

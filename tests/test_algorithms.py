@@ -1,0 +1,153 @@
+"""Estimators and losses against hand-computed values, with masks and the edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_mc.algorithms import core as A
+
+t = torch.tensor
+
+
+def close(x, expected, tol=1e-5):
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    assert torch.allclose(torch.as_tensor(x, dtype=torch.float32), expected, atol=tol), x
+
+
+LOSS = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+
+
+@pytest.mark.parametrize("mask, token_mean, seq_sum, seq_mean", [
+    ([[1, 1, 0], [1, 0, 0]], 7 / 3, 3.5, 2.75),
+    ([[1, 1, 0], [0, 0, 0]], 1.5, 3.0, 1.5),  # a sequence with no tokens is not counted
+    ([[0, 0, 0], [0, 0, 0]], 0.0, 0.0, 0.0),  # all masked: zero, not NaN
+])
+def test_aggregation_modes(mask, token_mean, seq_sum, seq_mean):
+    mask = t(mask)
+    close(A.aggregate(LOSS, mask, "token-mean"), token_mean)
+    close(A.aggregate(LOSS, mask, "seq-mean-token-sum"), seq_sum)
+    close(A.aggregate(LOSS, mask, "seq-mean-token-mean"), seq_mean)
+
+
+def test_all_masked_loss_has_zero_finite_gradient():
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    loss, stats = A.policy_loss(logprobs, torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(2, 3))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logprobs.grad, torch.zeros(2, 3))
+    assert stats["clip_fraction"].item() == 0.0
+
+
+def test_masked_whiten_ignores_masked_entries():
+    x = t([[1.0, 3.0, 100.0]])
+    out = A.masked_whiten(x, t([[1, 1, 0]]))
+    close(out, [[-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]], tol=1e-4)  # mean 2, unbiased std sqrt(2)
+
+
+def test_grpo():
+    mask = torch.ones(4, 2)
+    adv = A.grpo_advantages(t([1.0, 0.0, 1.0, 1.0]), t([0, 0, 1, 1]), mask)
+    std = math.sqrt(0.5)  # unbiased std of [1, 0]
+    close(adv[:, 0], [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.0, 0.0])  # all-equal group -> 0
+    close(A.grpo_advantages(t([1.0, 0.0, 1.0, 1.0]), t([0, 0, 1, 1]), mask, norm_by_std=False)[:, 1],
+          [0.5, -0.5, 0.0, 0.0])
+    close(A.grpo_advantages(t([3.0]), t([7]), torch.ones(1, 2)), [[3 / (1 + 1e-6)] * 2])  # group of one
+    close(A.grpo_advantages(t([1.0, 0.0]), t([0, 0]), t([[1, 1, 0], [1, 0, 0]]))[:, 2], [0.0, 0.0])  # masked
+
+
+def test_rloo():
+    close(A.rloo_advantages(t([1.0, 2.0, 3.0]), t([0, 0, 0]), torch.ones(3, 1))[:, 0], [-1.5, 0.0, 1.5])
+    close(A.rloo_advantages(t([4.0]), t([0]), torch.ones(1, 1)), [[4.0]])
+
+
+def test_discounted_returns_skip_masked_positions():
+    close(A.discounted_returns(t([[0.0, 0.0, 1.0]]), t([[1, 1, 1]]), gamma=0.5), [[0.25, 0.5, 1.0]])
+    close(A.discounted_returns(t([[0.0, 7.0, 1.0]]), t([[1, 0, 1]]), gamma=0.5), [[0.5, 0.0, 1.0]])
+
+
+def test_reinforce_pp_variants():
+    rewards, mask = t([[0.0, 1.0], [0.0, 3.0]]), torch.ones(2, 2)
+    returns = t([[1.0, 1.0], [3.0, 3.0]])
+    close(A.reinforce_pp_advantages(rewards, mask), A.masked_whiten(returns, mask))
+    adv = A.reinforce_pp_baseline_advantages(t([1.0, 3.0]), t([0, 0]), mask)
+    close(adv, A.masked_whiten(t([[-1.0, -1.0], [1.0, 1.0]]), mask))
+
+
+def test_gae():
+    adv, ret = A.gae_advantages(t([[0.0, 1.0]]), t([[0.5, 0.2]]), t([[1, 1]]), gamma=1.0, lam=1.0, whiten=False)
+    close(adv, [[0.5, 0.8]])
+    close(ret, [[1.0, 1.0]])
+    adv, ret = A.gae_advantages(t([[0.0, 1.0]]), t([[0.5, 0.2]]), t([[1, 1]]), gamma=0.9, lam=0.5, whiten=False)
+    close(adv, [[0.04, 0.8]])
+    close(ret, [[0.54, 1.0]])
+    adv, _ = A.gae_advantages(t([[0.0, 5.0, 1.0]]), t([[0.5, 9.0, 0.2]]), t([[1, 0, 1]]), whiten=False)
+    close(adv, [[0.5, 0.0, 0.8]])  # the masked middle token neither adds its reward nor its value
+
+
+def test_kl_estimators():
+    logp, ref = t([-1.0]), t([-1.5])
+    close(A.kl_penalty(logp, ref, "k1"), [0.5])
+    close(A.kl_penalty(logp, ref, "k2"), [0.125])
+    close(A.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1])
+    close(A.kl_penalty(t([0.0]), t([-100.0]), "k3"), [10.0])  # log-ratio clamped to -20: 19, then clamped to 10
+    with pytest.raises(ValueError, match="kl estimator: unknown 'k9'"):
+        A.kl_penalty(logp, ref, "k9")
+
+
+def test_kl_in_reward_puts_the_score_on_the_last_token():
+    rewards = A.token_rewards_with_kl(t([2.0]), t([[0.1, 0.2, 0.3]]), t([[1, 1, 0]]), beta=0.5)
+    close(rewards, [[-0.05, -0.1 + 2.0, 0.0]])
+    one_token = A.token_rewards_with_kl(t([1.0]), t([[0.4, 9.0]]), t([[1, 0]]), beta=1.0)
+    close(one_token, [[-0.4 + 1.0, 0.0]])
+
+
+def test_ppo_clip_and_clip_higher():
+    logp, old = t([[math.log(1.5), math.log(0.5)]]), torch.zeros(1, 2)
+    adv, mask = t([[1.0, -1.0]]), torch.ones(1, 2)
+    loss, stats = A.policy_loss(logp, old, adv, mask, clip_low=0.2)
+    close(loss, (-1.2 + 0.8) / 2)
+    close(stats["clip_fraction"], 1.0)
+    close(stats["approx_kl"], (-math.log(1.5) - math.log(0.5)) / 2)
+    loss, stats = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)  # DAPO clip-higher
+    close(loss, (-1.5 + 0.8) / 2)
+    close(stats["clip_fraction"], 0.5)
+
+
+def test_dual_clip_caps_negative_advantages_only():
+    logp, old = t([[math.log(5.0), math.log(5.0)]]), torch.zeros(1, 2)
+    loss, _ = A.policy_loss(logp, old, t([[-1.0, 1.0]]), t([[1, 0]]), dual_clip=3.0)
+    close(loss, 3.0)  # max(5, 1.2) = 5, capped at 3
+    loss, _ = A.policy_loss(logp, old, t([[-1.0, 1.0]]), t([[0, 1]]), dual_clip=3.0)
+    close(loss, -1.2)  # positive advantage: ordinary clip
+    with pytest.raises(ValueError, match="dual_clip: must be > 1"):
+        A.policy_loss(logp, old, t([[1.0, 1.0]]), t([[1, 1]]), dual_clip=1.0)
+
+
+def test_gspo_uses_the_sequence_ratio():
+    logp = t([[math.log(2.0), 0.0]], requires_grad=True)
+    loss, _ = A.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), mode="gspo",
+                            aggregation="seq-mean-token-mean")
+    close(loss, -1.2)  # s = exp(mean(log 2, 0)) = sqrt(2) > 1.2: clipped
+    loss, _ = A.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), mode="gspo",
+                            clip_low=0.5, aggregation="seq-mean-token-mean")
+    close(loss, -math.sqrt(2))
+    loss.backward()
+    close(logp.grad, [[-math.sqrt(2) / 2, -math.sqrt(2) / 2]])  # d/dlogp_t of -sg[s] pi_t/sg[pi_t], mean over t
+
+
+def test_truncated_importance_weights():
+    w = A.truncated_importance_weights(t([0.0, 0.0]), t([-math.log(3.0), -math.log(0.5)]), cap=2.0)
+    close(w, [2.0, 0.5])
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = A.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), token_weights=t([[2.0, 0.5]]))
+    close(loss, (-2.0 - 0.5) / 2)
+
+
+def test_clipped_value_loss():
+    loss, stats = A.value_loss(t([[1.0]]), t([[0.5]]), t([[2.0]]), t([[1]]), clip=0.2)
+    close(loss, 0.5 * 1.69)
+    close(stats["value_clip_fraction"], 1.0)
+    loss, _ = A.value_loss(t([[1.0, 9.0]]), t([[1.0, 0.0]]), t([[2.0, 0.0]]), t([[1, 0]]), clip=0.2)
+    close(loss, 0.5 * 1.0)
