@@ -1,0 +1,1 @@
+"""Numerical ops on sharded tensors: vocab-parallel log-probs and entropy (logprobs.py)."""

@@ -1,0 +1,82 @@
+"""Log-probs and entropy of target tokens from vocab-parallel (TP-sharded) logits, never gathering the vocabulary.
+
+logits: [..., vocab / tp] on each TP rank (Megatron's parallel_output); targets: [...] global token ids.
+Temperature is applied exactly as the rollout engine does: log_softmax(logits / temperature) (see
+rollout/base.py); temperature 0 means greedy there, and the raw logits here (temperature 1).
+Work is chunked over tokens (`chunk_tokens`) so the fp32 softmax buffers stay bounded; with gradients each chunk is
+recomputed in backward (activation checkpointing) instead of keeping its buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+
+class _AllReduce(torch.autograd.Function):
+    """Sum over the TP group in forward; the gradient of a sum of replicas is the gradient itself (each rank's
+    input contributes to every rank's output, and every rank backpropagates the same upstream gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group, op):
+        x = x.clone()
+        dist.all_reduce(x, op=op, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _AllReduce.apply(x, group, op)
+
+
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, with_entropy: bool):
+    logits = logits.float()
+    # The max only stabilizes the exponent; no gradient flows through it.
+    local_max = logits.detach().max(dim=-1).values
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - local_max.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = _all_reduce(exp.sum(dim=-1), group)
+    log_z = sum_exp.log()
+    local_ids = targets - vocab_start
+    owned = (local_ids >= 0) & (local_ids < logits.size(-1))
+    picked = shifted.gather(-1, local_ids.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = _all_reduce(torch.where(owned, picked, torch.zeros_like(picked)), group)
+    logprobs = target_logit - log_z
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    # H = log Z - sum_v p_v * shifted_v
+    expected = _all_reduce((exp * shifted).sum(dim=-1), group) / sum_exp
+    return logprobs, log_z - expected
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, temperature: float = 1.0,
+                            with_entropy: bool = False, chunk_tokens: int = 4096,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(target), entropy or None), each shaped like `targets`, in fp32."""
+    if temperature <= 0:
+        temperature = 1.0
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
+    vocab_start = tp_rank * logits.size(-1)
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_targets = targets.reshape(-1)
+    if temperature != 1.0:
+        flat_logits = flat_logits / temperature
+    outs = []
+    for start in range(0, flat_targets.numel(), chunk_tokens):
+        args = (flat_logits[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], vocab_start,
+                tp_group, with_entropy)
+        if torch.is_grad_enabled() and flat_logits.requires_grad:
+            outs.append(checkpoint(_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk(*args))
+    logprobs = torch.cat([o[0] for o in outs]).reshape(targets.shape)
+    entropy = torch.cat([o[1] for o in outs]).reshape(targets.shape) if with_entropy else None
+    return logprobs, entropy
