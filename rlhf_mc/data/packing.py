@@ -31,6 +31,10 @@ class Packed:
         """Per-sequence real parts of a packed tensor x [total, ...]."""
         return [x[start:start + n] for start, n in zip(self.cu_seqlens[:-1], self.lengths)]
 
+    def unpack_padded(self) -> list[torch.Tensor]:
+        """Per-sequence tokens including their padding."""
+        return [self.tokens[0, a:b] for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])]
+
 
 def pack(sequences: list[torch.Tensor], multiple: int = 1, pad_id: int = 0) -> Packed:
     """Packs 1-D token tensors; each is right-padded with `pad_id` to a multiple of `multiple`."""

@@ -1,0 +1,1 @@
+"""Per-rank work on the models: log-prob forwards, the reference swap (policy.py)."""

@@ -1,0 +1,142 @@
+"""Forward passes of a policy model (actor or reference) on this rank: per-token log-probs (and entropy) of response
+tokens, packed (THD), micro-batched by a token budget, through Megatron's pipeline schedule.
+
+The caller gives each data-parallel rank its share of the sequences (data/microbatch.balance_across_ranks); results
+come back on every rank of the model-parallel group, in the order of the input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mc.data.microbatch import micro_batches_by_tokens
+from rlhf_mc.data.packing import pack
+
+
+def _pad_multiple(parallel_cp: int) -> int:
+    return 2 * parallel_cp if parallel_cp > 1 else 1
+
+
+def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, cp: int, cp_rank: int,
+                       interleaved_pp: int, device) -> tuple[list[dict], list[list[int]]]:
+    """Packed micro-batches (this CP rank's part) and the sequence indices in each. For the interleaved (virtual)
+    pipeline schedule over `interleaved_pp` stages (0: not interleaved), every pack is padded to the longest one by
+    a trailing dummy sequence, and packs of padding only are added until their number is a multiple of the stages
+    (both the schedule's requirements)."""
+    from rlhf_mc.models.context_parallel import split_for_cp
+
+    multiple = _pad_multiple(cp)
+    padded = [-(-len(s) // multiple) * multiple for s in sequences]
+    groups = micro_batches_by_tokens(padded, micro_batch_tokens)
+    packs = []
+    for group in groups:
+        seqs = [sequences[i] for i in group]
+        targets = [torch.cat([s[1:], s.new_zeros(1)]) for s in seqs]  # position t predicts token t + 1
+        packs.append((pack(seqs, multiple), pack(targets, multiple)))
+    longest = max(p.tokens.size(1) for p, _ in packs)
+    if interleaved_pp:
+        filler = torch.zeros(longest, dtype=sequences[0].dtype)
+        while len(packs) % interleaved_pp:
+            packs.append((pack([filler], multiple), pack([filler], multiple)))
+            groups.append([])
+    microbatches = []
+    for packed, targets in packs:
+        if interleaved_pp and packed.tokens.size(1) < longest:
+            filler = torch.zeros(longest - packed.tokens.size(1), dtype=packed.tokens.dtype)
+            packed, targets = (pack([*packed.unpack_padded(), filler], multiple),
+                               pack([*targets.unpack_padded(), filler], multiple))
+        cu = packed.cu_seqlens
+        microbatches.append({
+            "tokens": split_for_cp(packed.tokens, cp, cp_rank, 1, cu).to(device),
+            "position_ids": split_for_cp(packed.position_ids, cp, cp_rank, 1, cu).to(device),
+            "targets": split_for_cp(targets.tokens, cp, cp_rank, 1, cu).to(device),
+            "packed_seq_params": _to(packed.packed_seq_params(), device),
+            "packed": packed,
+        })
+    return microbatches, groups
+
+
+def _to(params, device):
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        value = getattr(params, name, None)
+        if value is not None:
+            setattr(params, name, value.to(device))
+    return params
+
+
+@torch.no_grad()
+def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
+                     temperature: float = 1.0, with_entropy: bool = False, micro_batch_tokens: int = 8192,
+                     ) -> list[dict[str, torch.Tensor]]:
+    """For each sequence (prompt + response token ids), {"logprobs": [response_len]} (+ "entropy") of its response
+    tokens under the model: log p(token_t | tokens_<t) with logits / temperature (rollout/base.py semantics)."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models.context_parallel import gather_from_cp
+    from rlhf_mc.models.pipeline import run_pipeline
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+    from rlhf_mc.runtime import device
+
+    for start, seq in zip(response_starts, sequences):
+        if not 1 <= start < len(seq):
+            raise ValueError(f"response_start {start} must lie in [1, {len(seq)}) for a sequence of {len(seq)}")
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
+    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
+    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+
+    def per_token(mb, logits):
+        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
+                                                    with_entropy=with_entropy)
+        cu = mb["packed"].cu_seqlens
+        out = {"logprobs": gather_from_cp(logprobs.unsqueeze(0), cp_group, 1, cu)[0].cpu()}
+        if with_entropy:
+            out["entropy"] = gather_from_cp(entropy.unsqueeze(0), cp_group, 1, cu)[0].cpu()
+        return torch.zeros((), device=logits.device), out
+
+    for chunk in chunks:
+        chunk.eval()
+    reports = run_pipeline(chunks, microbatches, per_token, forward_only=True)
+    # The last pipeline stage computed the results; every stage gets them.
+    payload = [reports]
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
+                                   group=pp_group)
+    results: list[dict | None] = [None] * len(sequences)
+    for mb, group, report in zip(microbatches, groups, payload[0]):
+        parts = {k: mb["packed"].unpack(v) for k, v in report.items()}
+        for j, i in enumerate(group):
+            # Position t's value is for token t + 1: the response tokens start at response_start.
+            first = response_starts[i] - 1
+            results[i] = {k: parts[k][j][first:len(sequences[i]) - 1] for k in parts}
+    return results
+
+
+class HostReference:
+    """The frozen reference weights kept in host memory; swapped into the actor's modules for a reference forward
+    (no second model on the device). Take it right after loading the initial weights."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        pin = torch.cuda.is_available()
+        self.weights = [{name: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
+                         for name, p in chunk.named_parameters()} for chunk in chunks]
+
+    @contextlib.contextmanager
+    def swapped_in(self, chunks: list[torch.nn.Module]):
+        """Within the block the chunks hold the reference weights; after it, the actor's again (bit for bit)."""
+        backup = [{name: p.detach().to("cpu", copy=True) for name, p in chunk.named_parameters()} for chunk in chunks]
+        try:
+            with torch.no_grad():
+                for chunk, weights in zip(chunks, self.weights):
+                    for name, p in chunk.named_parameters():
+                        p.copy_(weights[name], non_blocking=True)
+            yield
+        finally:
+            with torch.no_grad():
+                for chunk, weights in zip(chunks, backup):
+                    for name, p in chunk.named_parameters():
+                        p.copy_(weights[name], non_blocking=True)

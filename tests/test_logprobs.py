@@ -1,0 +1,116 @@
+"""compute_log_prob (packed, micro-batched by tokens, sharded) against the single-process padded computation:
+Megatron at TP=1 on a right-padded batch with torch's full-vocabulary log_softmax. And the reference swap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_mc.config import ModelConfig, ParallelConfig
+from rlhf_mc.runtime.spawn import spawn
+
+MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_configs" / "tiny-llama.yaml")
+LENGTHS, STARTS = [12, 30, 7, 21, 16, 9], [4, 10, 3, 5, 8, 2]
+TEMPERATURE, TOL = 0.8, 1e-5
+
+
+def _sequences() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in LENGTHS]
+
+
+def _padded_reference(ckpt: str) -> list[dict]:
+    """Independent path: no packing, no vocab-parallel op."""
+    from rlhf_mc.models.checkpoint import save_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+
+    init_parallel(ParallelConfig(), seed=5)
+    (model,) = build_model(MODEL, ParallelConfig())
+    save_model([model], Path(ckpt) / "weights")
+    seqs = _sequences()
+    tokens = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.size(1)).expand_as(tokens), None).float()
+    logp = torch.log_softmax(logits / TEMPERATURE, -1)
+    out = []
+    for i, (s, start) in enumerate(zip(seqs, STARTS)):
+        rows = logp[i, start - 1:len(s) - 1]
+        out.append({"logprobs": rows.gather(-1, s[start:, None])[:, 0], "entropy": -(rows.exp() * rows).sum(-1)})
+    return out
+
+
+def _sharded(parallel: ParallelConfig, ckpt: str) -> list[dict]:
+    from rlhf_mc.models.checkpoint import load_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+
+    init_parallel(parallel)
+    chunks = build_model(MODEL, parallel, init_weights=False)
+    load_model(chunks, Path(ckpt) / "weights")
+    return compute_log_prob(chunks, _sequences(), STARTS, TEMPERATURE, with_entropy=True, micro_batch_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("logprob_ref")
+    (result,) = spawn(_padded_reference, 1, str(ckpt))
+    return str(ckpt), result
+
+
+LAYOUTS = {
+    "packed": (ParallelConfig(), 1),
+    "tp2": (ParallelConfig(tp=2), 2),
+    "pp2": (ParallelConfig(pp=2), 2),
+    "pp2_vpp2": (ParallelConfig(pp=2, vpp=2), 2),
+    "cp2": (ParallelConfig(cp=2), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_log_prob_matches_padded_single_process(name, reference):
+    ckpt, expected = reference
+    parallel, world = LAYOUTS[name]
+    for rank_result in spawn(_sharded, world, parallel, ckpt):  # every rank gets the results
+        for got, want, start, n in zip(rank_result, expected, STARTS, LENGTHS):
+            assert got["logprobs"].shape == (n - start,)
+            for key in ("logprobs", "entropy"):
+                assert (got[key] - want[key]).abs().max().item() < TOL, f"{name}: {key}"
+
+
+def _swap(ckpt: str) -> dict:
+    from rlhf_mc.models.checkpoint import load_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import HostReference, compute_log_prob
+
+    parallel = ParallelConfig(tp=2)
+    init_parallel(parallel)
+    chunks = build_model(MODEL, parallel, init_weights=False)
+    load_model(chunks, Path(ckpt) / "weights")
+    reference = HostReference(chunks)
+    with torch.no_grad():  # the actor moves away from the reference
+        for p in chunks[0].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    actor_before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+    args = (_sequences(), STARTS, TEMPERATURE)
+    with reference.swapped_in(chunks):
+        ref = compute_log_prob(chunks, *args, micro_batch_tokens=40)
+    actor = compute_log_prob(chunks, *args, micro_batch_tokens=40)
+    unchanged = all(torch.equal(p, actor_before[n]) for n, p in chunks[0].named_parameters())
+    return {"ref": ref, "actor": actor, "unchanged": unchanged}
+
+
+def test_reference_swap_is_exact_and_leaves_the_actor_bitwise_unchanged(reference):
+    ckpt, expected = reference
+    for r in spawn(_swap, 2, ckpt):
+        assert r["unchanged"]
+        for got, want in zip(r["ref"], expected):
+            assert (got["logprobs"] - want["logprobs"]).abs().max().item() < TOL
+        assert max((a["logprobs"] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3
