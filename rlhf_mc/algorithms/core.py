@@ -174,7 +174,8 @@ def token_rewards_with_kl(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Te
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float | None = None, dual_clip: float | None = None,
                 mode: Literal["ppo", "gspo"] = "ppo", aggregation: Aggregation = "token-mean",
-                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                token_weights: torch.Tensor | None = None, seq_log_ratio: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss and its statistics.
 
     ppo: token ratio exp(clamp(logp - old, +-20)); loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
@@ -183,6 +184,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     gspo: the sequence-level ratio exp(mean over the sequence's tokens of (logp - old)), its log clamped above at
       10, applied per token as sg[s_i] * pi/sg[pi] (GSPO-token); use with aggregation "seq-mean-token-mean".
     token_weights: per-token weights (truncated importance sampling), applied to the per-token loss.
+    seq_log_ratio: for gspo on packed rows, each token's sequence mean log-ratio, computed by the caller (a row
+      then holds several sequences); by default each row is one sequence.
     Stats: clip_fraction (tokens where the clipped branch is taken), approx_kl (mean of old - logp)."""
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and dual_clip <= 1.0:
@@ -191,8 +194,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if mode == "ppo":
         ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     elif mode == "gspo":
-        seq_log_ratio = masked_mean(log_ratio, mask, dim=-1)
-        token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach().unsqueeze(-1)
+        if seq_log_ratio is None:
+            seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+        token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
         ratio = torch.exp(token_log_ratio.clamp(max=10.0))
     else:
         raise ValueError(f"policy loss mode: unknown {mode!r}")

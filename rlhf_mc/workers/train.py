@@ -1,0 +1,147 @@
+"""One optimizer step of the actor on a mini-batch: packed micro-batches through Megatron's pipeline schedule with
+the clipped policy loss (plus KL loss and entropy bonus), gradient clipping, per-step metrics.
+
+Every loss is a weighted sum of per-token terms over the whole mini-batch (all micro-batches, all data-parallel
+ranks), with weights from the aggregation mode (token-mean: 1 / all tokens; seq-mean-token-sum: 1 / all sequences;
+seq-mean-token-mean: 1 / (all sequences x the sequence's tokens)), so the step does not depend on how the
+mini-batch is split over micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mc.algorithms import core
+from rlhf_mc.optim import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    mode: str = "ppo"  # ppo | gspo
+    clip_low: float = 0.2
+    clip_high: float | None = None  # DAPO clip-higher; None = clip_low
+    dual_clip: float | None = None
+    aggregation: core.Aggregation = "token-mean"
+    kl_loss_coef: float = 0.0  # KL as a loss (needs ref_logprobs)
+    kl_estimator: core.KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None  # truncated importance sampling against the rollout log-probs
+
+
+def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int) -> list[float]:
+    if aggregation == "token-mean":
+        return [1.0 / max(total_tokens, 1)] * len(lengths)
+    if aggregation == "seq-mean-token-sum":
+        return [1.0 / max(total_seqs, 1)] * len(lengths)
+    return [1.0 / (max(total_seqs, 1) * max(n, 1)) for n in lengths]
+
+
+def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
+               per_token: dict[str, list[torch.Tensor]], cfg: PolicyLossConfig, temperature: float = 1.0,
+               micro_batch_tokens: int = 8192) -> dict:
+    """`per_token`: per sequence, values for its response tokens: "advantages", "old_logprobs", and where used
+    "ref_logprobs" (kl_loss_coef > 0) and "rollout_logprobs" (tis_cap). This rank's data-parallel share."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models.context_parallel import split_for_cp
+    from rlhf_mc.models.pipeline import run_pipeline
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+    from rlhf_mc.runtime import device
+    from rlhf_mc.workers.policy import build_microbatches
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    dp_group = ps.get_data_parallel_group()
+    lengths = [len(s) - start for s, start in zip(sequences, response_starts)]
+    totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
+    dist.all_reduce(totals, group=dp_group)
+    weights = _token_weights(lengths, cfg.aggregation, int(totals[0]), int(totals[1]))
+
+    interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(state.model) > 1 else 0
+    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
+    keys = ["advantages", "old_logprobs", *[k for k in ("ref_logprobs", "rollout_logprobs") if k in per_token]]
+    for mb, group in zip(microbatches, groups):
+        # Position t of a sequence carries the values for its token t + 1 (what the logits at t predict).
+        aligned = {k: [] for k in [*keys, "weight", "segment"]}
+        packed = mb["packed"]
+        for j, n in enumerate(packed.cu_seqlens[1:]):
+            size = n - packed.cu_seqlens[j]
+            i = group[j] if j < len(group) else None
+            for k in aligned:
+                row = torch.zeros(size, dtype=torch.float32)
+                if k == "segment":
+                    row.fill_(j)
+                elif i is not None:
+                    first, last = response_starts[i] - 1, len(sequences[i]) - 1
+                    row[first:last] = weights[i] if k == "weight" else per_token[k][i].float()
+                aligned[k].append(row)
+        for k, rows in aligned.items():
+            mb[k] = split_for_cp(torch.cat(rows).unsqueeze(0), cp, cp_rank, 1, packed.cu_seqlens).to(device())
+
+    scale = len(microbatches) * ps.get_data_parallel_world_size()  # undoes the schedule's and DDP's averaging
+    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+
+    def loss_fn(mb, logits):
+        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
+                                                    with_entropy=cfg.entropy_coef > 0)
+        logprobs, w = logprobs.unsqueeze(0), mb["weight"]
+        mask = w > 0
+        ratio_weights = (core.truncated_importance_weights(mb["old_logprobs"], mb["rollout_logprobs"], cfg.tis_cap)
+                         if cfg.tis_cap is not None else None)
+        seq_log_ratio = _segment_mean(logprobs.detach() - mb["old_logprobs"], mb["segment"], mask, cp_group) \
+            if cfg.mode == "gspo" else None
+        # The aggregation lives in the token weights; policy_loss then sums over the row ("seq-mean-token-sum" of
+        # one row).
+        pg, stats = core.policy_loss(
+            logprobs, mb["old_logprobs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+            cfg.mode, aggregation="seq-mean-token-sum",
+            token_weights=w if ratio_weights is None else w * ratio_weights, seq_log_ratio=seq_log_ratio)
+        loss = pg
+        report = {"pg_loss": pg.detach(), "tokens": mask.sum().detach().float(),
+                  "clip_fraction": stats["clip_fraction"] * mask.sum(), "approx_kl": stats["approx_kl"] * mask.sum()}
+        if cfg.kl_loss_coef > 0:
+            kl = core.kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator)
+            kl_loss = (kl * w).sum()
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            report["kl_loss"] = kl_loss.detach()
+        if cfg.entropy_coef > 0:
+            entropy_mean = (entropy.unsqueeze(0) * w).sum()
+            loss = loss - cfg.entropy_coef * entropy_mean
+            report["entropy"] = entropy_mean.detach()
+        return loss * scale, report
+
+    state.zero_grad()
+    for chunk in state.model:
+        chunk.train()
+    reports = run_pipeline(state.model, microbatches, loss_fn, forward_only=False)
+    step = state.step()
+    # Each CP rank holds part of every sequence's tokens: metrics add up over data- and context-parallel ranks.
+    return {**_reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True)), **step}
+
+
+def _segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor, cp_group) -> torch.Tensor:
+    """Per token, the mean of `values` over the masked-in tokens of its packed sequence (across CP ranks)."""
+    seg = segment.long()
+    count = int(seg.max().item()) + 1
+    sums = torch.zeros(2, count, dtype=values.dtype, device=values.device)
+    sums[0].index_add_(0, seg[mask], values[mask])
+    sums[1].index_add_(0, seg[mask], torch.ones_like(values[mask]))
+    if dist.get_world_size(cp_group) > 1:
+        dist.all_reduce(sums, group=cp_group)
+    return (sums[0] / sums[1].clamp(min=1))[seg]
+
+
+def _reduce_reports(reports: list[dict], dp_group) -> dict:
+    """Mini-batch metrics on every rank of the last stage: sums over micro-batches and data-parallel ranks."""
+    if not reports:
+        return {}
+    keys = sorted(reports[0])
+    totals = torch.stack([sum(r[k].float().cpu() for r in reports) for k in keys]).double()
+    dist.all_reduce(totals, group=dp_group)
+    out = dict(zip(keys, totals.tolist()))
+    tokens = max(out.pop("tokens"), 1.0)
+    out["clip_fraction"] /= tokens
+    out["approx_kl"] /= tokens
+    return out
