@@ -95,3 +95,53 @@ def test_train_step_matches_single_process(name, reference):
         if "pg_loss" in r["metrics"]:  # last pipeline stage
             for key in ("pg_loss", "kl_loss", "entropy", "clip_fraction", "approx_kl"):
                 assert abs(r["metrics"][key] - expected[key]) < TOL, f"{name}: {key}"
+
+
+def _critic(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
+    from rlhf_mc.models.checkpoint import load_model, save_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_values
+    from rlhf_mc.workers.train import critic_train_step
+
+    init_parallel(parallel, seed=13)
+    chunks = build_model(MODEL, parallel, value_head=True)
+    (save_model if reference else load_model)(chunks, Path(ckpt) / "critic0")
+    seqs, per_token = _data()
+    values = compute_values(chunks, seqs, STARTS, micro_batch_tokens=40)
+    out = {"values": values}
+    if reference:  # independent: one right-padded forward, no packing
+        tokens = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, :len(s)] = s
+        with torch.no_grad():
+            padded = chunks[0](tokens, torch.arange(tokens.size(1)).expand_as(tokens), None)[..., 0]
+        out["padded"] = [padded[i, start - 1:n - 1] for i, (start, n) in enumerate(zip(STARTS, LENGTHS))]
+    noise = [(r + 5.5) / 3 for r in per_token["ref_logprobs"]]  # ~N(0, 0.1): old values off the current ones
+    targets = {"old_values": [v["values"] + e for v, e in zip(values, noise)],
+               "returns": [v["values"] + a for v, a in zip(values, per_token["advantages"])]}
+    state = setup_training(chunks, OPTIM)
+    out["metrics"] = critic_train_step(state, seqs, STARTS, targets, clip=0.05, micro_batch_tokens=40)
+    if reference:
+        save_model(chunks, Path(ckpt) / "critic1")
+    else:
+        expected = build_model(MODEL, parallel, init_weights=False, value_head=True)
+        load_model(expected, Path(ckpt) / "critic1")
+        out["param_diff"] = max((p.data - e.data).abs().max().item()
+                                for c, ec in zip(chunks, expected) for p, e in zip(c.parameters(), ec.parameters()))
+    return out
+
+
+def test_critic_values_and_step_match_single_process(tmp_path):
+    (ref,) = spawn(_critic, 1, ParallelConfig(), str(tmp_path), True)
+    for got, padded in zip(ref["values"], ref["padded"]):
+        assert (got["values"] - padded).abs().max().item() < TOL
+    assert 0 < ref["metrics"]["clip_fraction"] < 1
+    for parallel, world in ((ParallelConfig(tp=2), 2), (ParallelConfig(pp=2), 2)):
+        for r in spawn(_critic, world, parallel, str(tmp_path), False):
+            for got, want in zip(r["values"], ref["values"]):
+                assert (got["values"] - want["values"]).abs().max().item() < TOL
+            assert r["param_diff"] < TOL
+            if "value_loss" in r["metrics"]:
+                assert abs(r["metrics"]["value_loss"] - ref["metrics"]["value_loss"]) < TOL

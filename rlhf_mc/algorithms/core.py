@@ -220,9 +220,14 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: t
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float = 0.2, aggregation: Aggregation = "token-mean") -> tuple[torch.Tensor, dict]:
-    """Clipped value loss, verl's convention: 0.5 x the aggregated max of the clipped and unclipped squared error."""
+               clip: float = 0.2, aggregation: Aggregation = "token-mean",
+               token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped value loss, verl's convention: 0.5 x the aggregated max of the clipped and unclipped squared error.
+    token_weights multiply the per-token error before aggregation."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
-    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), mask, aggregation)
+    error = torch.maximum(unclipped_error, clipped_error)
+    if token_weights is not None:
+        error = error * token_weights.detach()
+    loss = 0.5 * aggregate(error, mask, aggregation)
     return loss, {"value_clip_fraction": masked_mean((clipped_error > unclipped_error).float(), mask).detach()}

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
 
 from rlhf_mc.config import ModelConfig, ParallelConfig
 
@@ -100,11 +101,13 @@ def layer_spec(model: ModelConfig, use_te: bool):
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
                 recompute: Recompute = "none", use_te: bool | None = None, init_weights: bool = True,
-                ) -> list[torch.nn.Module]:
+                value_head: bool = False) -> list[torch.nn.Module]:
     """The GPTModel chunks this rank owns (one per virtual pipeline stage), on the current device.
 
     bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). `init_weights=False` leaves the weights
-    uninitialized, for a checkpoint to fill (faster, and no full-size init buffers). Needs init_parallel() first.
+    uninitialized, for a checkpoint to fill (faster, and no full-size init buffers). `value_head=True` replaces the
+    vocabulary projection by a scalar head (critic, reward model): the model outputs [b, s, 1].
+    Needs init_parallel() first.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -123,14 +126,30 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=model.tie_embeddings,
+            share_embeddings_and_output_weights=model.tie_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=int(model.rope_theta),
             rope_scaling=model.rope_scaling is not None,
             rope_scaling_factor=model.rope_scaling.factor if model.rope_scaling else 8.0,
             vp_stage=vp,
         )
+        if value_head and gpt.post_process:
+            gpt.output_layer = ValueHead(config, init_weights)
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
         chunks.append(Float16Module(config, gpt) if config.bf16 else gpt)
     return chunks
+
+
+class ValueHead(MegatronModule):
+    """hidden [s, b, h] -> value [s, b, 1]; replicated over TP (its input, the final hidden state, is)."""
+
+    def __init__(self, config, init_weights: bool = True):
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        if init_weights:
+            config.init_method(self.weight)
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        # Same call signature and (output, bias) result as the vocabulary projection it replaces.
+        return torch.nn.functional.linear(hidden, self.weight), None

@@ -68,16 +68,15 @@ def _to(params, device):
 
 
 @torch.no_grad()
-def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
-                     temperature: float = 1.0, with_entropy: bool = False, micro_batch_tokens: int = 8192,
-                     ) -> list[dict[str, torch.Tensor]]:
-    """For each sequence (prompt + response token ids), {"logprobs": [response_len]} (+ "entropy") of its response
-    tokens under the model: log p(token_t | tokens_<t) with logits / temperature (rollout/base.py semantics)."""
+def forward_per_token(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
+                      head, micro_batch_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Runs the model over packed micro-batches; `head(mb, output) -> {name: [local tokens]}` turns the model's
+    output into per-token values (at position t: the value for token t + 1). Returns, per sequence, each value
+    over its response tokens, on every rank."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.models.context_parallel import gather_from_cp
     from rlhf_mc.models.pipeline import run_pipeline
-    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
     from rlhf_mc.runtime import device
 
     for start, seq in zip(response_starts, sequences):
@@ -86,16 +85,12 @@ def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
     microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
-    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    cp_group = ps.get_context_parallel_group()
 
-    def per_token(mb, logits):
-        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
-                                                    with_entropy=with_entropy)
+    def per_token(mb, output):
         cu = mb["packed"].cu_seqlens
-        out = {"logprobs": gather_from_cp(logprobs.unsqueeze(0), cp_group, 1, cu)[0].cpu()}
-        if with_entropy:
-            out["entropy"] = gather_from_cp(entropy.unsqueeze(0), cp_group, 1, cu)[0].cpu()
-        return torch.zeros((), device=logits.device), out
+        values = {k: gather_from_cp(v.unsqueeze(0), cp_group, 1, cu)[0].cpu() for k, v in head(mb, output).items()}
+        return torch.zeros((), device=output.device), values
 
     for chunk in chunks:
         chunk.eval()
@@ -110,10 +105,36 @@ def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor
     for mb, group, report in zip(microbatches, groups, payload[0]):
         parts = {k: mb["packed"].unpack(v) for k, v in report.items()}
         for j, i in enumerate(group):
-            # Position t's value is for token t + 1: the response tokens start at response_start.
             first = response_starts[i] - 1
             results[i] = {k: parts[k][j][first:len(sequences[i]) - 1] for k in parts}
     return results
+
+
+def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
+                     temperature: float = 1.0, with_entropy: bool = False, micro_batch_tokens: int = 8192,
+                     ) -> list[dict[str, torch.Tensor]]:
+    """For each sequence (prompt + response token ids), {"logprobs": [response_len]} (+ "entropy") of its response
+    tokens under the model: log p(token_t | tokens_<t) with logits / temperature (rollout/base.py semantics)."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def head(mb, logits):
+        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
+                                                    with_entropy=with_entropy)
+        return {"logprobs": logprobs, **({"entropy": entropy} if with_entropy else {})}
+
+    return forward_per_token(chunks, sequences, response_starts, head, micro_batch_tokens)
+
+
+def compute_values(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
+                   micro_batch_tokens: int = 8192) -> list[dict[str, torch.Tensor]]:
+    """Critic (a model built with value_head=True): {"values": [response_len]} per sequence, the value of the
+    state before each response token."""
+    return forward_per_token(chunks, sequences, response_starts,
+                             lambda mb, out: {"values": out[0, :, 0].float()}, micro_batch_tokens)
 
 
 class HostReference:

@@ -39,38 +39,32 @@ def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, tota
     return [1.0 / (max(total_seqs, 1) * max(n, 1)) for n in lengths]
 
 
-def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
-               per_token: dict[str, list[torch.Tensor]], cfg: PolicyLossConfig, temperature: float = 1.0,
-               micro_batch_tokens: int = 8192) -> dict:
-    """`per_token`: per sequence, values for its response tokens: "advantages", "old_logprobs", and where used
-    "ref_logprobs" (kl_loss_coef > 0) and "rollout_logprobs" (tis_cap). This rank's data-parallel share."""
+def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[int],
+                          per_token: dict[str, list[torch.Tensor]], aggregation: str, micro_batch_tokens: int,
+                          interleaved: bool) -> list[dict]:
+    """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field plus the
+    aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits predict the
+    response tokens (position t carries the values for token t + 1)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.models.context_parallel import split_for_cp
-    from rlhf_mc.models.pipeline import run_pipeline
-    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
     from rlhf_mc.runtime import device
     from rlhf_mc.workers.policy import build_microbatches
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    dp_group = ps.get_data_parallel_group()
     lengths = [len(s) - start for s, start in zip(sequences, response_starts)]
     totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
-    dist.all_reduce(totals, group=dp_group)
-    weights = _token_weights(lengths, cfg.aggregation, int(totals[0]), int(totals[1]))
-
-    interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(state.model) > 1 else 0
+    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]))
+    interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
     microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
-    keys = ["advantages", "old_logprobs", *[k for k in ("ref_logprobs", "rollout_logprobs") if k in per_token]]
     for mb, group in zip(microbatches, groups):
-        # Position t of a sequence carries the values for its token t + 1 (what the logits at t predict).
-        aligned = {k: [] for k in [*keys, "weight", "segment"]}
+        aligned = {k: [] for k in [*per_token, "weight", "segment"]}
         packed = mb["packed"]
-        for j, n in enumerate(packed.cu_seqlens[1:]):
-            size = n - packed.cu_seqlens[j]
-            i = group[j] if j < len(group) else None
+        for j, (a, b) in enumerate(zip(packed.cu_seqlens[:-1], packed.cu_seqlens[1:])):
+            i = group[j] if j < len(group) else None  # None: padding added for the interleaved schedule
             for k in aligned:
-                row = torch.zeros(size, dtype=torch.float32)
+                row = torch.zeros(b - a, dtype=torch.float32)
                 if k == "segment":
                     row.fill_(j)
                 elif i is not None:
@@ -79,8 +73,43 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
                 aligned[k].append(row)
         for k, rows in aligned.items():
             mb[k] = split_for_cp(torch.cat(rows).unsqueeze(0), cp, cp_rank, 1, packed.cu_seqlens).to(device())
+    return microbatches
+
+
+def _run(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
+    """Forward/backward of every micro-batch and the optimizer step; metrics summed over DP x CP ranks."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models.pipeline import run_pipeline
 
     scale = len(microbatches) * ps.get_data_parallel_world_size()  # undoes the schedule's and DDP's averaging
+    state.zero_grad()
+    for chunk in state.model:
+        chunk.train()
+    reports = run_pipeline(state.model, microbatches, lambda mb, out: _scaled(loss_fn(mb, out), scale),
+                           forward_only=False)
+    step = state.step()
+    # Each CP rank holds part of every sequence's tokens: metrics add up over data- and context-parallel ranks.
+    return {**_reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True)), **step}
+
+
+def _scaled(loss_and_report, scale):
+    loss, report = loss_and_report
+    return loss * scale, report
+
+
+def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
+               per_token: dict[str, list[torch.Tensor]], cfg: PolicyLossConfig, temperature: float = 1.0,
+               micro_batch_tokens: int = 8192) -> dict:
+    """Actor step. `per_token`: per sequence, values for its response tokens: "advantages", "old_logprobs", and
+    where used "ref_logprobs" (kl_loss_coef > 0) and "rollout_logprobs" (tis_cap). This rank's data-parallel
+    share."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+
+    microbatches = _aligned_microbatches(sequences, response_starts, per_token, cfg.aggregation, micro_batch_tokens,
+                                         interleaved=len(state.model) > 1)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
 
     def loss_fn(mb, logits):
@@ -102,23 +131,35 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
         report = {"pg_loss": pg.detach(), "tokens": mask.sum().detach().float(),
                   "clip_fraction": stats["clip_fraction"] * mask.sum(), "approx_kl": stats["approx_kl"] * mask.sum()}
         if cfg.kl_loss_coef > 0:
-            kl = core.kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator)
-            kl_loss = (kl * w).sum()
+            kl_loss = (core.kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * w).sum()
             loss = loss + cfg.kl_loss_coef * kl_loss
             report["kl_loss"] = kl_loss.detach()
         if cfg.entropy_coef > 0:
             entropy_mean = (entropy.unsqueeze(0) * w).sum()
             loss = loss - cfg.entropy_coef * entropy_mean
             report["entropy"] = entropy_mean.detach()
-        return loss * scale, report
+        return loss, report
 
-    state.zero_grad()
-    for chunk in state.model:
-        chunk.train()
-    reports = run_pipeline(state.model, microbatches, loss_fn, forward_only=False)
-    step = state.step()
-    # Each CP rank holds part of every sequence's tokens: metrics add up over data- and context-parallel ranks.
-    return {**_reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True)), **step}
+    return _run(state, microbatches, loss_fn)
+
+
+def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
+                      per_token: dict[str, list[torch.Tensor]], clip: float = 0.2,
+                      aggregation: core.Aggregation = "token-mean", micro_batch_tokens: int = 8192) -> dict:
+    """Critic step (a model built with value_head=True): clipped value loss against "returns", around
+    "old_values" (per sequence, per response token)."""
+    microbatches = _aligned_microbatches(sequences, response_starts, per_token, aggregation, micro_batch_tokens,
+                                         interleaved=len(state.model) > 1)
+
+    def loss_fn(mb, output):
+        w = mb["weight"]
+        mask = w > 0
+        loss, stats = core.value_loss(output[..., 0], mb["old_values"], mb["returns"], mask, clip,
+                                      aggregation="seq-mean-token-sum", token_weights=w)
+        return loss, {"value_loss": loss.detach(), "tokens": mask.sum().detach().float(),
+                      "clip_fraction": stats["value_clip_fraction"] * mask.sum()}
+
+    return _run(state, microbatches, loss_fn)
 
 
 def _segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor, cp_group) -> torch.Tensor:
@@ -142,6 +183,7 @@ def _reduce_reports(reports: list[dict], dp_group) -> dict:
     dist.all_reduce(totals, group=dp_group)
     out = dict(zip(keys, totals.tolist()))
     tokens = max(out.pop("tokens"), 1.0)
-    out["clip_fraction"] /= tokens
-    out["approx_kl"] /= tokens
+    for key in ("clip_fraction", "approx_kl"):  # token averages
+        if key in out:
+            out[key] /= tokens
     return out

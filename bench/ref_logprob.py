@@ -1,0 +1,132 @@
+"""compute_ref_log_prob throughput and peak memory: ~700 sequences (64-token prompts, responses spread over
+32-512 tokens) on a ~8M-parameter model, through rlhf_mc (host-memory reference swapped into the actor, packed,
+micro-batched by tokens) vs (a) a per-sequence transformers loop and (b) one padded batched transformers forward.
+Each runs in its own process, measured for time and peak RSS. Prints JSON lines with ratios.
+
+    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, peak_memory  # noqa: E402
+from rlhf_mc.config import ParallelConfig  # noqa: E402
+from rlhf_mc.runtime.spawn import spawn  # noqa: E402
+
+PROMPT = 64
+
+
+def workload(n: int):
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(32, 513, (n,), generator=g).tolist()
+    return [torch.randint(0, 1024, (PROMPT + r,), generator=g) for r in responses]
+
+
+def write_model(out: Path) -> None:
+    import transformers as T
+
+    config = T.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=32, vocab_size=1024, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(config).save_pretrained(out)
+
+
+def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
+    from rlhf_mc.bridge.convert import checkpoint_model_config
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import HostReference, compute_log_prob
+
+    model, _ = checkpoint_model_config(model_dir)
+    init_parallel(ParallelConfig())
+    chunks = build_model(model, ParallelConfig(), init_weights=False)
+    load_hf_weights(chunks, model_dir, model)
+    reference = HostReference(chunks)
+    seqs = workload(n)
+    start = time.perf_counter()
+    with reference.swapped_in(chunks):
+        compute_log_prob(chunks, seqs, [PROMPT] * n, micro_batch_tokens=micro_batch_tokens)
+    return time.perf_counter() - start
+
+
+def hf_loop(model_dir: str, n: int, out) -> None:
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs = workload(n)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for s in seqs:
+            logits = model(s.unsqueeze(0)).logits[0, PROMPT - 1:-1]
+            torch.log_softmax(logits.float(), -1).gather(-1, s[PROMPT:, None])
+    out.put(time.perf_counter() - start)
+
+
+def hf_padded(model_dir: str, n: int, out) -> None:
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs = workload(n)
+    tokens = torch.zeros(n, max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model(tokens, attention_mask=mask).logits
+        logp = torch.log_softmax(logits.float(), -1)
+        [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
+    out.put(time.perf_counter() - start)
+
+
+def in_child(fn, *args) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=fn, args=(*args, queue))
+    proc.start()
+    seconds = queue.get()
+    proc.join()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sequences", type=int, default=700)
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    args = parser.parse_args()
+    n = args.sequences
+    response_tokens = sum(len(s) - PROMPT for s in workload(n))
+    all_tokens = sum(len(s) for s in workload(n))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(Path(tmp) / "model")
+        write_model(Path(model_dir))
+        runs = {}
+        with peak_memory() as m:
+            (seconds,) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens)
+        runs["rlhf_mc_ref_swap_packed"] = (seconds, m["peak_process_mb"])
+        with peak_memory() as m:
+            seconds = in_child(hf_loop, model_dir, n)
+        runs["transformers_per_sequence_loop"] = (seconds, m["peak_process_mb"])
+        with peak_memory() as m:
+            seconds = in_child(hf_padded, model_dir, n)
+        runs["transformers_one_padded_batch"] = (seconds, m["peak_process_mb"])
+    ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
+    for system, (seconds, mb) in runs.items():
+        emit(bench="ref_logprob", system=system, sequences=n, tokens=all_tokens, response_tokens=response_tokens,
+             seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1), peak_process_mb=round(mb, 1),
+             rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2))
+
+
+if __name__ == "__main__":
+    main()
