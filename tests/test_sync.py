@@ -1,4 +1,4 @@
-"""Weight sync from a TP=2 x PP=2 actor into the session's SGLang engine (TP=1), after optimizer steps that change
+"""Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, after optimizer steps that change
 the weights of every pipeline stage: each time, the engine's log-probs equal the actor's (1e-4, fp32) and its
 samples carry the new version; at the end its greedy output equals transformers' on the actor's exported weights.
 Ten more syncs show no memory growth."""
@@ -72,12 +72,25 @@ def _actor(model_dir: str, address: str, transport: str, export_dir: str) -> dic
     return {"steps": steps, "rss_mb": rss, "version": engine.weight_version}
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed"])
-def test_sync_follows_every_update(transport, sglang_engine, tiny_hf_model, tmp_path):
+@pytest.fixture(scope="module")
+def engine_tp2(tiny_hf_model, tmp_path_factory):
+    """A second engine with TP=2 (each rank bound to its own core on CPU)."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), dtype="float32", tp=2),
+                          log_dir=tmp_path_factory.mktemp("sglang_tp2_logs"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("tensor", 2)])
+def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     import shutil
 
     import transformers as T
 
+    sglang_engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
     export_dir = tmp_path / "actor"
     export_dir.mkdir()
     address = sglang_engine.urls[0].removeprefix("http://")

@@ -6,7 +6,9 @@
 - SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; a KV cache of 65536 tokens and mem_fraction_static 0.1 unless the
   config says otherwise (SGLang's defaults reserve ~14 GB).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
-  (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine).
+  (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
+  installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
+  but got: cpu"); pointing SGLANG_NCCL_SO_PATH at no library makes SGLang skip it (its gloo group does the work).
 - Colocated weight updates: the sender shares tensors through files, not file descriptors
   (torch.multiprocessing's default fd passing makes the server fail to rebuild them and die).
 """
@@ -41,6 +43,7 @@ def server_env(env: dict[str, str], tp: int) -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     if tp > 1:
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(tp))
+        env["SGLANG_NCCL_SO_PATH"] = str(CPU_SITE / "no-nccl-on-cpu.so")  # does not exist, on purpose
     return env
 
 

@@ -84,7 +84,9 @@ class SGLangEngine:
                     server.wait_ready(cfg.startup_timeout_s)
             # SGLang 0.5.23 (managers/tp_worker.py, scheduler.py): max_req_len = context_len - 1, prompts must be
             # shorter than max_req_input_len = max_req_len - 5, and a response ends at max_req_len - 1 tokens in all.
-            max_input = self._call(0, "GET", "/get_server_info", None, timeout=30)["max_req_input_len"]
+            infos = [self._call(e, "GET", "/get_server_info", None, timeout=30) for e in range(len(self.urls))]
+            self.engine_tp = [info["tp_size"] for info in infos]  # attached servers may differ from cfg.tp
+            max_input = min(info["max_req_input_len"] for info in infos)
             self.max_prompt_length = max_input - 1
             self.max_sequence_length = max_input + 4  # prompt + response
         except BaseException:
@@ -245,7 +247,7 @@ class SGLangEngine:
                 payload = MultiprocessingSerializer.serialize(bucket, output_str=True)
                 for engine in engines:
                     self._call(engine, "POST", "/update_weights_from_tensor",
-                               {"serialized_named_tensors": [payload] * self.cfg.tp, "flush_cache": False,
+                               {"serialized_named_tensors": [payload] * self.engine_tp[engine], "flush_cache": False,
                                 "weight_version": str(version)})
             for engine in engines:
                 self._call(engine, "POST", "/end_weight_update", {})
@@ -259,11 +261,11 @@ class SGLangEngine:
         update_weights_from_distributed. Returns the caller's group."""
         from sglang.srt.utils import init_custom_process_group
 
-        world_size = 1 + self.cfg.tp * len(self.urls)
+        world_size = 1 + sum(self.engine_tp)
         threads = []
         for engine in range(len(self.urls)):
             payload = {"master_address": master_address, "master_port": master_port,
-                       "rank_offset": 1 + engine * self.cfg.tp, "world_size": world_size,
+                       "rank_offset": 1 + sum(self.engine_tp[:engine]), "world_size": world_size,
                        "group_name": group_name, "backend": backend}
             threads.append(self._in_thread(
                 lambda e=engine, p=payload: self._call(e, "POST", "/init_weights_update_group", p)))

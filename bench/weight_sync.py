@@ -1,0 +1,90 @@
+"""Weight sync seconds and bytes/s from a TP=2 actor into an SGLang engine (colocated tensor transport) for a
+~125M-parameter Llama-style model, vs a plain in-process copy of the same bytes (the baseline, same process), and
+rank 0's peak extra memory vs the bucket size. Prints JSON lines.
+
+    .venv/bin/python bench/weight_sync.py [--buckets-mb 16 64 256] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit  # noqa: E402
+from bench.convert_checkpoint import write_model  # noqa: E402
+from rlhf_mc.config import ParallelConfig, RolloutConfig  # noqa: E402
+from rlhf_mc.rollout.sglang_engine import SGLangEngine  # noqa: E402
+from rlhf_mc.runtime.spawn import spawn  # noqa: E402
+
+
+def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int) -> list[dict] | None:
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.sync.weights import WeightSync
+
+    parallel = ParallelConfig(tp=2)
+    init_parallel(parallel)
+    model = model_config_from_hf(read_hf_config(model_dir))
+    chunks = build_model(model, parallel, init_weights=False)
+    load_hf_weights(chunks, model_dir, model)
+    rank0 = torch.distributed.get_rank() == 0
+    engine = SGLangEngine(RolloutConfig(addresses=(address,))) if rank0 else None
+    rows, version = [], 0
+    for mb in buckets_mb:
+        sync = WeightSync(chunks, model, engine, "tensor", bucket_bytes=mb * 2**20)
+        runs = []
+        for _ in range(repeats):
+            version += 1
+            runs.append(sync.sync(chunks, version))
+        if rank0:
+            # Baseline: copy the same bytes within this process.
+            sources = [torch.randn(e.shape).to(e.dtype) for e in sync.plan.entries]
+            targets = [torch.empty_like(s) for s in sources]
+            start = time.perf_counter()
+            for s, t in zip(sources, targets):
+                t.copy_(s)
+            copy_s = time.perf_counter() - start
+            seconds = statistics.median(r.seconds for r in runs)
+            rows.append({"bucket_mb": mb, "bytes": runs[0].bytes, "buckets": runs[0].buckets,
+                         "tensors": runs[0].tensors, "seconds": seconds, "copy_seconds": copy_s,
+                         "peak_extra_mb": max(r.peak_extra_mb for r in runs)})
+    return rows if rank0 else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "hf"
+        params = write_model(model_dir)
+        engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="float32"))
+        try:
+            rows = spawn(actor, 2, str(model_dir), engine.urls[0].removeprefix("http://"), args.buckets_mb,
+                         args.repeats)[0]
+        finally:
+            engine.shutdown()
+    for row in rows:
+        emit(bench="weight_sync", transport="tensor", actor="tp2", engine="tp1", params=params,
+             bucket_mb=row["bucket_mb"], mb=round(row["bytes"] / 2**20, 1), buckets=row["buckets"],
+             seconds=round(row["seconds"], 3), mb_per_s=round(row["bytes"] / 2**20 / row["seconds"], 1),
+             baseline_copy_seconds=round(row["copy_seconds"], 4),
+             baseline_copy_mb_per_s=round(row["bytes"] / 2**20 / row["copy_seconds"], 1),
+             vs_copy=round(row["copy_seconds"] / row["seconds"], 4),
+             peak_extra_mb=round(row["peak_extra_mb"], 1),
+             peak_extra_vs_bucket=round(row["peak_extra_mb"] / row["bucket_mb"], 2))
+
+
+if __name__ == "__main__":
+    main()
