@@ -84,7 +84,7 @@ def engine_tp2(tiny_hf_model, tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("tensor", 2)])
+@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     import shutil
 

@@ -103,16 +103,15 @@ def read_shard(rule: Rule, reader: Reader, model: ModelConfig, tp_rank: int, tp_
     return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
 
 
-def to_hf(rule: Rule, shards: list[torch.Tensor], model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """Full HF tensors from the TP shards (in TP rank order) of one Megatron parameter."""
+def to_hf(rule: Rule, full: torch.Tensor, tp_size: int, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """Full HF tensors from the Megatron parameter's TP shards concatenated in rank order along rule.tp_dim.
+    Plain parameters come back as `full` itself (no copy)."""
     if rule.layout == "plain":
-        full = shards[0] if rule.tp_dim is None else torch.cat(shards, dim=rule.tp_dim)
         return [(rule.hf_names[0], full)]
     if rule.layout == "gate_up":
-        halves = [shard.chunk(2, dim=0) for shard in shards]
+        halves = [shard.chunk(2, dim=0) for shard in full.chunk(tp_size, dim=0)]
         return [(name, torch.cat([h[i] for h in halves])) for i, name in enumerate(rule.hf_names)]
-    q_rows, kv_rows = _qkv_sizes(model)
-    fused = torch.cat(shards)  # TP ranks hold consecutive query groups
-    grouped = fused.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *fused.shape[1:])
+    q_rows, kv_rows = _qkv_sizes(model)  # TP ranks hold consecutive query groups: `full` is the fused layout
+    grouped = full.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *full.shape[1:])
     q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
-    return [(name, t.reshape(-1, *fused.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]
+    return [(name, t.reshape(-1, *full.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]

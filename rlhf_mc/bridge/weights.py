@@ -118,7 +118,8 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
 
 def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yields, bucket by bucket, [(HF name, full tensor), ...] on every rank. Collective: every rank of the model's
-    TP x PP groups must iterate it to the end."""
+    TP x PP groups must iterate it to the end. A yielded tensor may share memory with the model's parameter (an
+    unsharded one on its owning stage): read it, don't keep it past the next optimizer step."""
     from megatron.core import parallel_state as ps
 
     pp_rank, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
@@ -136,12 +137,11 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
                     dist.all_gather(shards, local.contiguous(), group=tp_group)
                     full = torch.cat(shards, dim=tp_dim)
                 else:
-                    full = local.clone()
+                    full = local  # no copy: see the docstring
             else:
                 full = torch.empty(entry.shape, dtype=entry.dtype, device=device)
             if dist.get_world_size(pp_group) > 1:
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, entry.pp_rank), group=pp_group)
-            shards = full.chunk(tp, dim=tp_dim) if tp_dim is not None else [full]
-            out.extend(to_hf(entry.rule, list(shards), model))
+            out.extend(to_hf(entry.rule, full, tp if tp_dim is not None else 1, model))
         yield out
 

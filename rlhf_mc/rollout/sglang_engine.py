@@ -244,6 +244,8 @@ class SGLangEngine:
             for engine in engines:
                 self._call(engine, "POST", "/begin_weight_update", {})
             for bucket in buckets:
+                if cpu.on_cpu():  # sharing moves a tensor's whole storage into shared memory: never the model's own
+                    bucket = [(name, tensor.clone()) for name, tensor in bucket]
                 payload = MultiprocessingSerializer.serialize(bucket, output_str=True)
                 for engine in engines:
                     self._call(engine, "POST", "/update_weights_from_tensor",
