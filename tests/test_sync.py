@@ -97,7 +97,7 @@ def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model,
     try:
         result = spawn(_actor, 4, str(tiny_hf_model), address, transport, str(export_dir))[0]
         for step in result["steps"]:
-            for (response, engine_lp), actor_lp in zip(step["engine"], step["actor"]):
+            for (_, engine_lp), actor_lp in zip(step["engine"], step["actor"]):
                 assert (torch.tensor(engine_lp) - actor_lp).abs().max().item() < 1e-4
             stats = step["stats"]
             assert stats.buckets > 1 and stats.bytes > 0 and stats.seconds > 0

@@ -104,10 +104,11 @@ def _hf_to_mcore_worker(hf_dir: str, out: str, model: ModelConfig, parallel: Par
     save_model(chunks, out, add_files=add_files)
 
 
-def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig = ParallelConfig(),
+def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig | None = None,
                 progress: bool = True, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Exports a checkpoint written by hf_to_mcore (at any layout) as an HF checkpoint; loads at `parallel`."""
-    ckpt, out = Path(ckpt), Path(out)
+    """Exports a checkpoint written by hf_to_mcore (at any layout) as an HF checkpoint; loads at `parallel`
+    (default TP=1, PP=1)."""
+    ckpt, out, parallel = Path(ckpt), Path(out), parallel or ParallelConfig()
     _check_new_output(out)
     model, _ = read_metadata(ckpt)
     parallel.check_model(model)
