@@ -18,7 +18,8 @@ from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
 from rlhf_mc.runtime.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ModelConfig.from_yaml(ROOT / "model_configs" / "tiny-llama.yaml")
+MODELS = {name: ModelConfig.from_yaml(ROOT / "model_configs" / f"{name}.yaml") for name in ("tiny-llama", "tiny-qwen3")}
+MODEL = MODELS["tiny-llama"]
 # Adam's first update is lr * g / (|g| + eps): with the usual tiny eps it is lr * sign(g), and rounding-level
 # gradient differences flip near-zero entries by up to lr. eps = lr keeps the update's sensitivity to g at most 1.
 OPTIM = OptimizerConfig(lr=1e-3, eps=1e-3, weight_decay=0.0, clip_grad=1.0)
@@ -71,7 +72,8 @@ def _microbatches(tokens: torch.Tensor, packed: bool) -> tuple[list[dict], list[
     return mbs, ids
 
 
-def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool, ckpt: str, reference: bool) -> dict:
+def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool, ckpt: str, reference: bool,
+            model_name: str = "tiny-llama") -> dict:
     """Runs forward (logits), forward+backward and one optimizer step. The reference saves checkpoints of its
     weights, gradients and stepped weights; the others compare with them and report max abs differences."""
     from megatron.core import parallel_state as ps
@@ -83,9 +85,9 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
 
-    ckpt = Path(ckpt)
+    ckpt, model = Path(ckpt), MODELS[model_name]
     init_parallel(parallel, seed=1)
-    chunks = build_model(MODEL, parallel)
+    chunks = build_model(model, parallel)
     if reference:
         save_model(chunks, ckpt / "weights0")
     else:
@@ -117,7 +119,7 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
     result = {"logits": logits, "last_stage": ps.is_pipeline_last_stage(),
               "tp_rank": ps.get_tensor_model_parallel_rank(), "cp_rank": ps.get_context_parallel_rank(),
               "grad_diff": {}, "param_diff": {}}
-    grads = build_model(MODEL, parallel)
+    grads = build_model(model, parallel)
     if reference:
         for chunk, grad_chunk in zip(chunks, grads):
             for p, g in zip(chunk.parameters(), grad_chunk.parameters()):
@@ -130,7 +132,7 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
     if reference:
         save_model(chunks, ckpt / "weights1")
     else:
-        stepped = build_model(MODEL, parallel)
+        stepped = build_model(model, parallel)
         load_model(stepped, ckpt / "weights1")
         result["param_diff"] = _max_diffs(chunks, stepped, lambda p: p.data)
     return result
@@ -178,7 +180,18 @@ def test_matches_single_process(name, reference):
     ckpt, ref = reference
     parallel, world, packed, distributed_optimizer = LAYOUTS[name]
     results = spawn(_worker, world, parallel, packed, distributed_optimizer, str(ckpt), False)
+    _check(name, results, ref, distributed_optimizer)
 
+
+def test_tied_embeddings_across_pipeline_stages(tmp_path):
+    """Tied input/output embeddings live on the first and the last stage: their gradients must be summed across
+    stages (Megatron's embedding group) for the step to match. tiny-qwen3 also has q/k norms."""
+    (ref,) = spawn(_worker, 1, ParallelConfig(), False, False, str(tmp_path), True, "tiny-qwen3")
+    results = spawn(_worker, 4, ParallelConfig(tp=2, pp=2), False, False, str(tmp_path), False, "tiny-qwen3")
+    _check("tied_tp2_pp2", results, ref, distributed_optimizer=False)
+
+
+def _check(name: str, results: list[dict], ref: dict, distributed_optimizer: bool) -> None:
     logits = {}
     for r in results:
         if r["last_stage"] and r["tp_rank"] == 0 and r["cp_rank"] == 0:
