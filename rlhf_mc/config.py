@@ -245,7 +245,7 @@ class OptimizerConfig:
 class RolloutConfig:
     """SGLang rollout engines: launched as child processes, or attached to running servers by address."""
 
-    model_path: str = ""  # HF checkpoint directory the servers start from (unused when attaching)
+    model_path: str = ""  # HF checkpoint directory the servers start from (unused when attaching; the trainer sets it)
     num_engines: int = 1  # data-parallel engines, each its own SGLang server
     tp: int = 1  # tensor-parallel size of each engine
     addresses: tuple[str, ...] = ()  # "host:port" of running servers: attach instead of launching
@@ -264,8 +264,6 @@ class RolloutConfig:
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
 
     def __post_init__(self):
-        if not self.addresses and not self.model_path:
-            raise ConfigError("rollout.model_path: required unless rollout.addresses attaches to running servers")
         for name in ("num_engines", "tp", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")

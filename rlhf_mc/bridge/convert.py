@@ -118,11 +118,6 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig | No
 
 
 def _mcore_to_hf_worker(ckpt: str, out: str, parallel: ParallelConfig, progress: bool, max_shard_bytes: int) -> None:
-    import torch
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights
     from rlhf_mc.models.checkpoint import load_model
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
@@ -131,11 +126,24 @@ def _mcore_to_hf_worker(ckpt: str, out: str, parallel: ParallelConfig, progress:
     init_parallel(parallel)
     chunks = build_model(model, parallel, dtype=dtype, init_weights=False)
     load_model(chunks, ckpt)
-    plan = build_export_plan(chunks, model)
     source = Path(ckpt) / "hf"
     config = read_hf_config(source) if (source / "config.json").is_file() else hf_config_from_model(model, dtype)
+    write_hf_export(chunks, model, out, config, source, progress, max_shard_bytes)
+
+
+def write_hf_export(chunks, model: ModelConfig, out: str | Path, config: dict, passthrough_from: Path | None = None,
+                    progress: bool = False, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Collective over the model's ranks: rank 0 writes the chunks as an HF checkpoint with `config` (config.json)
+    and the tokenizer files of `passthrough_from`, into `<out>.tmp`, renamed to `out` when complete."""
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights
+
+    plan = build_export_plan(chunks, model)
     # Tensors are written in the dtype the HF config declares (the source's), whatever dtype the model trained in.
-    out_dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or dtype)
+    out_dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "float32")
     tensors = ((name, tensor.to(out_dtype)) for bucket in export_hf_weights(chunks, plan, model)
                for name, tensor in bucket)
     if dist.get_rank() != 0:
@@ -144,11 +152,12 @@ def _mcore_to_hf_worker(ckpt: str, out: str, parallel: ParallelConfig, progress:
         return
     out, tmp = Path(out), Path(out).with_name(Path(out).name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
     names = sum(len(entry.rule.hf_names) for entry in plan.entries)
     write_hf_checkpoint(tqdm(tensors, total=names, desc="export HF weights", disable=not progress), tmp,
                         max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copy_passthrough_files(source, tmp)
+    if passthrough_from is not None:
+        copy_passthrough_files(passthrough_from, tmp)
     tmp.rename(out)
 

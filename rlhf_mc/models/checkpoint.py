@@ -1,4 +1,6 @@
-"""Megatron distributed checkpoints (torch_dist) of model chunks: saved at one TP/PP/VPP, loadable at any other.
+"""Megatron distributed checkpoints (torch_dist) of model chunks, optionally with their optimizer: saved at one
+TP/PP/VPP, loadable at any other. The optimizer state is stored in Megatron's "dp_reshardable" format: it resumes at
+the same TP/PP (any DP).
 
 Saving writes into `<dir>.tmp` and renames it to `<dir>` once every rank has finished, so a crash never leaves a
 directory that looks complete.
@@ -19,9 +21,23 @@ def _sharded_state_dict(chunks) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def save_model(chunks, path: str | Path, add_files: Callable[[Path], None] | None = None) -> Path:
-    """Saves the chunks' weights to `path` (which must not exist). `add_files(dir)` runs on rank 0 before the
-    rename, to put more files (metadata, tokenizer) into the checkpoint."""
+# Each rank writes its own buffers, no communication. Megatron-Core 0.16's reshardable formats fail on CPU:
+# "fully_reshardable" gathers over DP with hard-coded .cuda() calls, "fully_sharded_model_space" raises
+# "ShardedTensor.flattened_range is not supported".
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _state(chunks, optimizer, is_loading: bool) -> dict:
+    state = _sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
+    return state
+
+
+def save_model(chunks, path: str | Path, add_files: Callable[[Path], None] | None = None, optimizer=None) -> Path:
+    """Saves the chunks' weights (and the Megatron optimizer's state, if given) to `path` (which must not exist).
+    `add_files(dir)` runs on rank 0 before the rename, to put more files (metadata, tokenizer) into the
+    checkpoint."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -32,7 +48,7 @@ def save_model(chunks, path: str | Path, add_files: Callable[[Path], None] | Non
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks), str(tmp))
+    dist_checkpointing.save(_state(chunks, optimizer, is_loading=False), str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         if add_files is not None:
@@ -42,13 +58,15 @@ def save_model(chunks, path: str | Path, add_files: Callable[[Path], None] | Non
     return path
 
 
-def load_model(chunks, path: str | Path) -> None:
-    """Loads weights saved by save_model (at any parallel layout) into this rank's chunks."""
+def load_model(chunks, path: str | Path, optimizer=None) -> None:
+    """Loads weights (and optimizer state) saved by save_model, at any parallel layout, into this rank's chunks."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     if not (path / "metadata.json").is_file():
         raise FileNotFoundError(f"not a distributed checkpoint (no metadata.json): {path}")
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    loaded = dist_checkpointing.load(_state(chunks, optimizer, is_loading=True), str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 import requests
 import torch
 
-from rlhf_mc.config import RolloutConfig
+from rlhf_mc.config import ConfigError, RolloutConfig
 from rlhf_mc.rollout import cpu
 from rlhf_mc.rollout.base import RolloutSample, SamplingParams
 from rlhf_mc.rollout.sglang_server import ServerProcess
@@ -51,6 +51,8 @@ def _version(text: str | None) -> int:
 
 class SGLangEngine:
     def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None):
+        if not cfg.addresses and not cfg.model_path:
+            raise ConfigError("rollout.model_path: required unless rollout.addresses attaches to running servers")
         self.cfg = cfg
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rlhf_mc_sglang_"))
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,26 @@ def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response
     return _run(state, microbatches, loss_fn)
 
 
+def sft_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
+             micro_batch_tokens: int = 8192) -> dict:
+    """Supervised step: token-mean negative log-likelihood of the response tokens over the whole mini-batch."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+
+    microbatches = _aligned_microbatches(sequences, response_starts, {}, "token-mean", micro_batch_tokens,
+                                         interleaved=len(state.model) > 1)
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def loss_fn(mb, logits):
+        logprobs, _ = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group)
+        w = mb["weight"][0]
+        loss = -(logprobs * w).sum()
+        return loss, {"sft_loss": loss.detach(), "tokens": (w > 0).sum().float()}
+
+    return _run(state, microbatches, loss_fn)
+
+
 def _segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor, cp_group) -> torch.Tensor:
     """Per token, the mean of `values` over the masked-in tokens of its packed sequence (across CP ranks)."""
     seg = segment.long()

@@ -1,0 +1,101 @@
+"""Prompt datasets: rows from jsonl or parquet, tokenized once (optionally through the chat template), prompts over
+the length limit dropped and counted; the order of every epoch is a function of (seed, epoch), so a resumed run
+reads the same batches from the step number alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from rlhf_mc.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    row: int  # index of the row in the file
+    text: str
+    ids: list[int]
+    answer: str
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise ConfigError(f"{path}: expected a .jsonl or .parquet file")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path}:{i + 1}: not JSON ({e})") from None
+    return rows
+
+
+def _field(row: dict, key: str, path, i: int) -> str:
+    if key not in row:
+        raise ConfigError(f"{path}: row {i} has no key {key!r} (keys: {sorted(row)})")
+    return str(row[key])
+
+
+def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+    if chat_template:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
+
+
+def load_prompts(path, tokenizer, prompt_key: str, answer_key: str, chat_template: bool,
+                 max_prompt_length: int) -> tuple[list[Prompt], int]:
+    """(prompts, number dropped for length)."""
+    prompts, dropped = [], 0
+    for i, row in enumerate(read_rows(path)):
+        text = _field(row, prompt_key, path, i)
+        ids = encode_prompt(tokenizer, text, chat_template)
+        if len(ids) > max_prompt_length:
+            dropped += 1
+            continue
+        prompts.append(Prompt(i, text, ids, str(row.get(answer_key, ""))))
+    if not prompts:
+        raise ConfigError(f"{path}: no prompt of at most data.max_prompt_length={max_prompt_length} tokens")
+    return prompts, dropped
+
+
+def load_sft(path, tokenizer, prompt_key: str, response_key: str, chat_template: bool, max_length: int
+             ) -> list[tuple[list[int], int]]:
+    """(prompt + response + eos token ids, response start) per row; rows over max_length are dropped."""
+    out = []
+    for i, row in enumerate(read_rows(path)):
+        prompt = encode_prompt(tokenizer, _field(row, prompt_key, path, i), chat_template)
+        response = tokenizer(_field(row, response_key, path, i), add_special_tokens=False)["input_ids"]
+        ids = prompt + list(response) + [tokenizer.eos_token_id]
+        if len(ids) <= max_length:
+            out.append((ids, len(prompt)))
+    if not out:
+        raise ConfigError(f"{path}: no example of at most {max_length} tokens")
+    return out
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch)).tolist()
+
+
+def batch_for_step(n: int, batch_size: int, step: int, seed: int, shuffle: bool) -> tuple[int, list[int]]:
+    """(epoch, row indices) of step `step` (0-based); the remainder of each epoch is dropped."""
+    per_epoch = n // batch_size
+    if per_epoch == 0:
+        raise ConfigError(f"data.train_batch_size: {batch_size} exceeds the {n} usable prompts")
+    epoch, offset = divmod(step, per_epoch)
+    order = epoch_order(n, seed, epoch, shuffle)
+    return epoch, order[offset * batch_size:(offset + 1) * batch_size]

@@ -1,0 +1,289 @@
+"""The RL loop, single controller (DESIGN.md, "One training step"): rollout -> rewards -> old / reference log-probs
+(-> values) -> advantages -> actor (and critic) update -> weight sync, every phase timed; validation, checkpoints
+and logging around it. An optional SFT stage warms the actor up first."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from rlhf_mc.algorithms import core
+from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
+from rlhf_mc.rewards.scoring import RewardScorer
+from rlhf_mc.rollout.base import SamplingParams
+from rlhf_mc.sync.weights import check_versions
+from rlhf_mc.trainer import checkpoints
+from rlhf_mc.trainer.metrics import MetricsLogger, Timer
+from rlhf_mc.trainer.placement import Cluster
+from rlhf_mc.trainer.recipe import Plan, Recipe, model_config, resolve_path, to_dict
+from rlhf_mc.workers.train import PolicyLossConfig
+
+log = logging.getLogger("rlhf_mc.trainer")
+
+
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    return [x[i, :n].clone() for i, n in enumerate(lengths)]
+
+
+def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token: dict[str, list[torch.Tensor]]
+               ) -> dict[str, list[torch.Tensor]]:
+    """Per response token: "advantages" (and "returns" for GAE), from the scores and the per-token fields."""
+    algo, lengths = recipe.algorithm, [len(x) for x in per_token["old_logprobs"]]
+    width = max(lengths)
+    mask = _padded([torch.ones(n) for n in lengths], width).bool()
+    s, g = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups)
+    token_rewards = core.token_rewards_with_kl(s, torch.zeros(len(lengths), width), mask, 0.0)
+    if algo.kl_in_reward_coef > 0:
+        kl = core.kl_penalty(_padded(per_token["old_logprobs"], width), _padded(per_token["ref_logprobs"], width),
+                             algo.kl_in_reward_estimator)
+        token_rewards = core.token_rewards_with_kl(s, kl, mask, algo.kl_in_reward_coef)
+    out = {}
+    if algo.estimator == "grpo":
+        adv = core.grpo_advantages(s, g, mask, algo.norm_by_std)
+    elif algo.estimator == "rloo":
+        adv = core.rloo_advantages(s, g, mask)
+    elif algo.estimator == "reinforce_pp":
+        adv = core.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
+    elif algo.estimator == "reinforce_pp_baseline":
+        adv = core.reinforce_pp_baseline_advantages(s, g, mask)
+    else:
+        adv, returns = core.gae_advantages(token_rewards, _padded(per_token["values"], width), mask, algo.gamma,
+                                           algo.lam)
+        out["returns"] = _rows(returns, lengths)
+    out["advantages"] = _rows(adv, lengths)
+    return out
+
+
+def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
+    """config.json for the actor's HF exports: the source's when the model came from HF, else made from the model
+    config with the tokenizer's special tokens (SGLang stops at the config's eos_token_id)."""
+    from rlhf_mc.bridge.hf_config import hf_config_from_model, read_hf_config
+
+    if recipe.model.path:
+        return read_hf_config(resolve_path(recipe.model.path))
+    config = hf_config_from_model(model, recipe.model.dtype)
+    config.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    return config
+
+
+def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_config: dict, tokenizer_dir: str,
+            logger: MetricsLogger) -> None:
+    """The warm start: SFT on recipe.sft.data_path from the initial weights; the result exported to `out` (HF)."""
+    sft, data = recipe.sft, recipe.data
+    examples = load_sft(resolve_path(sft.data_path), tokenizer, data.prompt_key, sft.response_key,
+                        data.chat_template, data.max_prompt_length + data.max_response_length)
+    group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
+    if recipe.model.path:
+        group.call("load_hf", str(resolve_path(recipe.model.path)))
+    group.call("setup_optimizer", sft.optim)
+    rng = random.Random(recipe.trainer.seed)
+    for step in range(sft.steps):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
+        metrics = group.call("update", "sft", [ids for ids, _ in batch], [start for _, start in batch], {}, 1, 1,
+                             micro_batch_tokens=sft.micro_batch_tokens)[-1]
+        logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
+    group.call("export_hf", str(out), hf_config, tokenizer_dir)
+    group.shutdown()
+
+
+def rollout(cluster: Cluster, tokenizer, prompts: list[Prompt], sampling: SamplingParams):
+    samples = cluster.generate([p.ids for p in prompts], sampling)
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    return samples, texts
+
+
+def validate(recipe: Recipe, cluster: Cluster, tokenizer, scorer: RewardScorer, prompts: list[Prompt]) -> dict:
+    """Greedy accuracy (score > 0) and, with rollout.val_n > 1, pass@val_n over sampled responses."""
+    r, max_new = recipe.rollout, recipe.data.max_response_length
+    eos = (tokenizer.eos_token_id,)
+    samples, texts = rollout(cluster, tokenizer, prompts, SamplingParams(temperature=0, max_new_tokens=max_new,
+                                                                         stop_token_ids=eos))
+    scores, _ = scorer.score(texts, [p.answer for p in prompts], [p.text for p in prompts])
+    out = {"val/accuracy": sum(s > 0 for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
+    if r.val_n > 1:
+        sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=max_new, stop_token_ids=eos)
+        samples, texts = rollout(cluster, tokenizer, prompts, sampling)
+        scores, _ = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
+                                 [prompts[s.prompt_index].text for s in samples])
+        solved = {s.prompt_index for s, score in zip(samples, scores) if score > 0}
+        out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
+    return out
+
+
+def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
+    """Runs the recipe; returns the last step's metrics."""
+    from transformers import AutoTokenizer
+
+    run_dir = Path(recipe.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.json").write_text(json.dumps(to_dict(recipe), indent=1, default=str))
+    model = model_config(recipe)
+    tokenizer_dir = str(resolve_path(recipe.model.tokenizer or recipe.model.path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    data, r = recipe.data, recipe.rollout
+    train_prompts, dropped = load_prompts(resolve_path(data.train_path), tokenizer, data.prompt_key,
+                                          data.answer_key, data.chat_template, data.max_prompt_length)
+    val_prompts = load_prompts(resolve_path(data.val_path), tokenizer, data.prompt_key, data.answer_key,
+                               data.chat_template, data.max_prompt_length)[0] if data.val_path else []
+    val_prompts = val_prompts[:data.val_size] if data.val_size else val_prompts
+    per_epoch = len(train_prompts) // data.train_batch_size
+    total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
+    scorer = RewardScorer(recipe.reward.function, recipe.reward.kwargs, recipe.reward.timeout_s,
+                          recipe.reward.failure_score, recipe.reward.workers)
+    resume = checkpoints.resume_from(run_dir, recipe.trainer.resume)
+    trainer_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {"step": 0}
+    logger = MetricsLogger(run_dir, recipe.trainer.loggers, total_steps, trainer_state["step"], to_dict(recipe),
+                           recipe.trainer.project, recipe.trainer.experiment)
+    cluster = Cluster(recipe, plan, address)
+    try:
+        # The initial weights, as an HF checkpoint the engines start from (and the reference, when used).
+        hf_config = _hf_config(recipe, model, tokenizer)
+        init_hf = run_dir / "init_hf"
+        if not init_hf.is_dir():
+            if recipe.sft.data_path:
+                run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger)
+            elif recipe.model.path:
+                init_hf = resolve_path(recipe.model.path)
+            else:
+                group = cluster.worker_group("init", model, recipe.actor.parallel)
+                group.call("export_hf", str(init_hf), hf_config, tokenizer_dir)
+                group.shutdown()
+        addresses = cluster.start_engines(str(init_hf), run_dir / "logs")
+        actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
+        actor.call("load_hf", str(init_hf))
+        if recipe.uses_reference:
+            actor.call("keep_reference")
+        actor.call("setup_optimizer", recipe.actor.optim)
+        critic = None
+        if recipe.uses_critic:
+            critic = cluster.worker_group("critic", model, recipe.critic.parallel, value_head=True,
+                                          recompute=recipe.critic.recompute)
+            critic.call("load_hf", str(init_hf))  # the value head starts from its own init
+            critic.call("setup_optimizer", recipe.critic.optim)
+        if resume:
+            trainer_state = actor.call("load", str(resume))[0]
+            if critic:
+                critic.call("load", str(resume / "critic"))
+            log.info("resumed from %s at step %d", resume, trainer_state["step"])
+        actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20)
+        step = trainer_state["step"]
+        actor.call("sync", step)  # the engines hold the actor's weights, version = step
+        metrics = _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts, val_prompts,
+                             step, total_steps, logger, run_dir, dropped)
+        if recipe.trainer.export_hf:
+            shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
+            actor.call("export_hf", str(run_dir / "final_hf"), hf_config, tokenizer_dir)
+        return metrics
+    finally:
+        logger.close()
+        cluster.shutdown()
+
+
+def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts, val_prompts, step, total_steps,
+               logger, run_dir, dropped) -> dict:
+    data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
+    loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
+    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
+    mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
+    metrics: dict = {}
+    if val_prompts and step == 0:
+        logger.log(0, validate(recipe, cluster, tokenizer, scorer, val_prompts))
+    while step < total_steps:
+        timer = Timer()
+        with timer("step"):
+            epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
+            prompts = [train_prompts[i] for i in rows]
+            with timer("rollout"):
+                samples, texts = rollout(cluster, tokenizer, prompts, sampling)
+            check_versions(samples, step)
+            cluster.engines_call("release_memory")
+            kept = [i for i, s in enumerate(samples) if s.response_ids]  # prompts over the context get none
+            samples, texts = [samples[i] for i in kept], [texts[i] for i in kept]
+            with timer("reward"):
+                scores, reward_stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
+                                                    [prompts[s.prompt_index].text for s in samples])
+            seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
+            starts = [len(prompts[s.prompt_index].ids) for s in samples]
+            per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
+            with timer("old_logprob"):
+                out = actor.gathered("forward", len(seqs), "logprobs", seqs, starts, r.temperature, True,
+                                     recipe.actor.micro_batch_tokens)
+                per_token["old_logprobs"] = [o["logprobs"] for o in out]
+                entropy = torch.cat([o["entropy"] for o in out])
+            if recipe.uses_reference:
+                with timer("ref_logprob"):
+                    out = actor.gathered("forward", len(seqs), "ref_logprobs", seqs, starts, r.temperature, False,
+                                         recipe.actor.micro_batch_tokens)
+                    per_token["ref_logprobs"] = [o["logprobs"] for o in out]
+            if critic:
+                with timer("values"):
+                    out = critic.gathered("forward", len(seqs), "values", seqs, starts,
+                                          micro_batch_tokens=recipe.critic.micro_batch_tokens)
+                    per_token["old_values"] = per_token["values"] = [o["values"] for o in out]
+            with timer("advantages"):
+                per_token.update(advantages(recipe, scores, [s.prompt_index for s in samples], per_token))
+            with timer("update_actor"):
+                actor_metrics = actor.call("update", "actor", seqs, starts, per_token, mini_batches,
+                                           recipe.actor.ppo_epochs, loss_cfg, r.temperature,
+                                           recipe.actor.micro_batch_tokens)[-1]
+            critic_metrics = {}
+            if critic:
+                with timer("update_critic"):
+                    critic_metrics = critic.call("update", "critic", seqs, starts, per_token, mini_batches,
+                                                 recipe.critic.ppo_epochs, loss_cfg,
+                                                 micro_batch_tokens=recipe.critic.micro_batch_tokens,
+                                                 value_clip=recipe.critic.value_clip)[-1]
+            step += 1
+            cluster.engines_call("resume_memory")
+            with timer("sync"):
+                sync_metrics = actor.call("sync", step)[0]
+        metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
+                                epoch, dropped, len(rows) * r.n - len(samples))
+        metrics.update(sync_metrics, **timer.times)
+        if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
+            metrics.update(validate(recipe, cluster, tokenizer, scorer, val_prompts))
+        logger.log(step, metrics)
+        logger.advance()
+        if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
+            path = checkpoints.checkpoint_dir(run_dir, step)
+            if not path.exists():
+                actor.call("save", str(path), {"step": step})
+                if critic:
+                    critic.call("save", str(path / "critic"))
+                checkpoints.prune(run_dir, trainer.keep_checkpoints)
+    return metrics
+
+
+def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,
+                  empty) -> dict:
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    old, rollout_lp = torch.cat(per_token["old_logprobs"]), torch.cat(per_token["rollout_logprobs"])
+    out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s > 0 for s in scores) / len(scores),
+           **reward_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+           "response/clipped_fraction": sum(s.finish_reason != "stop" for s in samples) / len(samples),
+           "actor/entropy": entropy.mean().item(),
+           # Rollout vs trainer log-probs of the same tokens: near 0 when engine and actor agree.
+           "rollout/logprob_diff": (old - rollout_lp).abs().mean().item(),
+           "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples_empty": empty}
+    if "ref_logprobs" in per_token:
+        out["actor/kl_ref"] = core.kl_penalty(old, torch.cat(per_token["ref_logprobs"]), "k1").mean().item()
+    out.update({f"actor/{k}": v for k, v in actor_metrics.items() if not (isinstance(v, float) and math.isnan(v))})
+    out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+    return out

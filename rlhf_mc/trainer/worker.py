@@ -1,0 +1,182 @@
+"""One rank of a Megatron model group (actor, critic or reference), run as a Ray actor. The driver sends every
+rank the whole batch; each rank takes its data-parallel share (the same balanced split on every rank), and the
+first model-parallel rank of each data-parallel group returns its results with their batch indices."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import torch
+
+from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+
+
+def node_address() -> tuple[str, int]:
+    """This node's IP (as Ray sees it) and a free port: the rendezvous of a group's rank 0."""
+    import ray
+
+    from rlhf_mc.runtime.spawn import free_port
+
+    try:
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        ip = socket.gethostbyname(socket.gethostname())
+    return ip, free_port()
+
+
+class ModelWorker:
+    def __init__(self, rank: int, world: int, master: tuple[str, int], model: ModelConfig, parallel: ParallelConfig,
+                 dtype: str, seed: int, recompute: str = "none", value_head: bool = False):
+        from rlhf_mc.models.gpt import build_model
+        from rlhf_mc.runtime import init_distributed, init_parallel
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
+                          MASTER_PORT=str(master[1]))
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        init_distributed()
+        init_parallel(parallel, seed=seed)
+        self.model, self.parallel, self.rank = model, parallel, rank
+        self.chunks = build_model(model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
+        self.state = None  # TrainState once an optimizer is set up
+        self.reference = None  # HostReference of the actor
+        self.sync_ = None
+
+    # ------------------------------------------------------------ weights, optimizer, checkpoints
+
+    def load_hf(self, path: str) -> None:
+        from rlhf_mc.bridge.weights import load_hf_weights
+
+        load_hf_weights(self.chunks, path, self.model)
+
+    def setup_optimizer(self, optim: OptimizerConfig) -> None:
+        from rlhf_mc.optim import setup_training
+
+        self.state = setup_training(self.chunks, optim)
+
+    def keep_reference(self) -> None:
+        """The current weights become the frozen reference (host memory)."""
+        from rlhf_mc.workers.policy import HostReference
+
+        self.reference = HostReference(self.chunks)
+
+    def save(self, path: str, trainer_state: dict | None = None) -> None:
+        """Model + optimizer + lr schedule + this rank's RNG, atomically; `trainer_state` goes to trainer_state.json."""
+        from rlhf_mc.models.checkpoint import save_model
+
+        rng_states = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rng_states, {"torch": torch.get_rng_state(), "python": random.getstate()})
+
+        def add_files(tmp: Path) -> None:
+            extra = {"scheduler": self.state.scheduler.state_dict()} if self.state else {}
+            (tmp / "trainer_state.json").write_text(json.dumps({**(trainer_state or {}), **extra}, indent=1))
+            torch.save(rng_states, tmp / "rng.pt")
+
+        save_model(self.chunks, path, add_files, optimizer=self.state.optimizer if self.state else None)
+
+    def load(self, path: str) -> dict:
+        """Restores what save() wrote; returns the trainer state."""
+        from rlhf_mc.models.checkpoint import load_model
+
+        load_model(self.chunks, path, optimizer=self.state.optimizer if self.state else None)
+        trainer_state = json.loads((Path(path) / "trainer_state.json").read_text())
+        if self.state is not None:
+            self.state.scheduler.load_state_dict(trainer_state.pop("scheduler"))
+        rng = torch.load(Path(path) / "rng.pt", weights_only=False)[torch.distributed.get_rank()]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        return trainer_state
+
+    def export_hf(self, path: str, config: dict, tokenizer_dir: str | None) -> None:
+        """The model as an HF checkpoint (safetensors, `config` as config.json, the tokenizer files), written to a
+        temp dir and renamed."""
+        from rlhf_mc.bridge.convert import write_hf_export
+
+        write_hf_export(self.chunks, self.model, path, config, Path(tokenizer_dir) if tokenizer_dir else None)
+
+    # ------------------------------------------------------------ data-parallel shares
+
+    def _share(self, sequences: list[list[int]]) -> list[int]:
+        from megatron.core import parallel_state as ps
+
+        from rlhf_mc.data.microbatch import balance_across_ranks
+
+        shares = balance_across_ranks([len(s) for s in sequences], ps.get_data_parallel_world_size())
+        return shares[ps.get_data_parallel_rank()]
+
+    def _reports(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                and ps.is_pipeline_last_stage(ignore_virtual=True))
+
+    def forward(self, kind: str, sequences: list[list[int]], starts: list[int], temperature: float = 1.0,
+                with_entropy: bool = False, micro_batch_tokens: int = 8192) -> tuple[list[int], list[dict]] | None:
+        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values"."""
+        from rlhf_mc.workers.policy import compute_log_prob, compute_values
+
+        mine = self._share(sequences)
+        seqs, st = [torch.tensor(sequences[i]) for i in mine], [starts[i] for i in mine]
+        if kind == "values":
+            out = compute_values(self.chunks, seqs, st, micro_batch_tokens)
+        elif kind == "ref_logprobs":
+            with self.reference.swapped_in(self.chunks):
+                out = compute_log_prob(self.chunks, seqs, st, temperature, with_entropy, micro_batch_tokens)
+        else:
+            out = compute_log_prob(self.chunks, seqs, st, temperature, with_entropy, micro_batch_tokens)
+        return (mine, out) if self._reports() else None
+
+    # ------------------------------------------------------------ updates
+
+    def update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
+               mini_batches: int, epochs: int, loss_cfg=None, temperature: float = 1.0,
+               micro_batch_tokens: int = 8192, value_clip: float = 0.2) -> dict:
+        """kind: "actor" (policy loss), "critic" (value loss) or "sft". The batch is cut into `mini_batches`
+        consecutive mini-batches (one optimizer step each), `epochs` times; returns the metrics averaged over the
+        optimizer steps."""
+        from rlhf_mc.workers.train import critic_train_step, sft_step, train_step
+
+        size = len(sequences) // mini_batches
+        totals: dict[str, float] = {}
+        for _ in range(epochs):
+            for m in range(mini_batches):
+                index = list(range(m * size, (m + 1) * size))
+                sub = [sequences[i] for i in index]
+                mine = [index[i] for i in self._share(sub)]
+                seqs, st = [torch.tensor(sequences[i]) for i in mine], [starts[i] for i in mine]
+                pt = {k: [v[i] for i in mine] for k, v in per_token.items()}
+                if kind == "actor":
+                    metrics = train_step(self.state, seqs, st, pt, loss_cfg, temperature, micro_batch_tokens)
+                elif kind == "critic":
+                    metrics = critic_train_step(self.state, seqs, st, pt, value_clip, loss_cfg.aggregation,
+                                                micro_batch_tokens)
+                else:
+                    metrics = sft_step(self.state, seqs, st, micro_batch_tokens)
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+        steps = mini_batches * epochs
+        return {k: v / steps for k, v in totals.items()}
+
+    # ------------------------------------------------------------ weight sync
+
+    def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int) -> None:
+        from rlhf_mc.config import RolloutConfig
+        from rlhf_mc.rollout.sglang_engine import SGLangEngine
+        from rlhf_mc.sync.weights import WeightSync
+
+        engine = None
+        if torch.distributed.get_rank() == 0:
+            engine = SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
+        master = node_address()[0] if transport == "distributed" else "127.0.0.1"
+        self.sync_ = WeightSync(self.chunks, self.model, engine, transport, bucket_bytes, master_address=master)
+
+    def sync(self, version: int) -> dict | None:
+        stats = self.sync_.sync(self.chunks, version)
+        return None if stats is None else {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes,
+                                           "sync/peak_extra_mb": stats.peak_extra_mb}
+
+    def ping(self) -> int:
+        return self.rank
