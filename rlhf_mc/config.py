@@ -7,12 +7,16 @@ dataclasses are trusted.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -58,6 +62,8 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
         return {k: _check_type(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     if tp in (int, float) and isinstance(value, bool):
         raise ConfigError(f"{path}: expected {tp.__name__}, got {value!r}")
     if not isinstance(value, tp):
@@ -266,12 +272,12 @@ class RolloutConfig:
     def __post_init__(self):
         for name in ("num_engines", "tp", "max_concurrency"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.addresses and len(self.addresses) != self.num_engines:
-            raise ConfigError(f"rollout.addresses: {len(self.addresses)} addresses for num_engines={self.num_engines}")
+            raise ConfigError(f"addresses: {len(self.addresses)} addresses for num_engines={self.num_engines}")
         for address in self.addresses:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
-                raise ConfigError(f"rollout.addresses: {address!r} is not host:port")
+                raise ConfigError(f"addresses: {address!r} is not host:port")
         if self.context_length is not None and self.context_length < 2:
-            raise ConfigError(f"rollout.context_length: must be >= 2, got {self.context_length}")
+            raise ConfigError(f"context_length: must be >= 2, got {self.context_length}")

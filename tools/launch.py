@@ -20,7 +20,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_mc.config import ConfigError  # noqa: E402
-from rlhf_mc.trainer.recipe import check_files, load_recipe, make_plan, model_config, to_dict  # noqa: E402
+from rlhf_mc.trainer.recipe import check_launch, load_recipe, make_plan, model_config, to_dict  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         model = model_config(recipe)
         plan = make_plan(recipe, model)
         if not args.dry_run:
-            check_files(recipe)
+            check_launch(recipe)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

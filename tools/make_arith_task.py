@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes/data/arith"))
     parser.add_argument("--digits", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sft", type=int, default=2000, help="SFT demonstrations")
+    parser.add_argument("--sft", type=int, default=4000, help="SFT demonstrations")
     parser.add_argument("--test", type=int, default=200, help="held-out problems")
     args = parser.parse_args()
     out = Path(args.out)

@@ -25,6 +25,20 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from rlhf_mc.models.context_parallel import cp_positions
 
 
+BLOCK_TOKENS = 1024
+
+
+def _blocks(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of sequence lengths whose sum stays within max_tokens (a longer sequence is a run alone)."""
+    blocks: list[list[int]] = []
+    for n in lengths:
+        if blocks and sum(blocks[-1]) + n <= max_tokens:
+            blocks[-1].append(n)
+        else:
+            blocks.append([n])
+    return blocks
+
+
 class _GatherFromCP(torch.autograd.Function):
     """[...] -> [cp, ...]: every rank's tensor; backward sums the gradients and keeps this rank's part."""
 
@@ -81,20 +95,33 @@ class LocalCoreAttention(MegatronModule):
             out = self._attend(query.permute(1, 2, 0, 3), k, v, q_pos, k_pos)  # [b, heads, s_local, d]
             return out.permute(2, 0, 1, 3).flatten(2)
 
-        # thd: query [t_local, heads, d] -> out [t_local, heads*d]
+        # thd: query [t_local, heads, d] -> out [t_local, heads*d]. Consecutive short sequences are attended
+        # together under a block-diagonal causal mask (one kernel call instead of one per sequence); a block holds at
+        # most BLOCK_TOKENS tokens (before the CP split) unless one sequence alone is longer.
         cu = packed_seq_params.cu_seqlens_q_padded
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         outs, start = [], 0
-        for seq_len in (cu[1:] - cu[:-1]).tolist():
-            local = seq_len // cp_size
-            q_pos, k_pos = self._positions(seq_len, cp_size, cp_rank, query.device)
+        for block in _blocks((cu[1:] - cu[:-1]).tolist(), BLOCK_TOKENS):
+            local = sum(block) // cp_size
+            q_pos, k_pos, q_seg, k_seg = self._block_positions(block, cp_size, cp_rank, query.device)
             q = query[start:start + local].transpose(0, 1)  # [heads, local, d]
             k = key[:, start:start + local].flatten(0, 1).transpose(0, 1)  # [groups, cp*local, d]
             v = value[:, start:start + local].flatten(0, 1).transpose(0, 1)
-            outs.append(self._attend(q, k, v, q_pos, k_pos).transpose(0, 1))
+            outs.append(self._attend(q, k, v, q_pos, k_pos, q_seg, k_seg).transpose(0, 1))
             start += local
         return torch.cat(outs).flatten(1)
+
+    def _block_positions(self, lengths: list[int], cp_size: int, cp_rank: int, device):
+        """Per-sequence positions and sequence ids of a block's local queries and gathered keys (gather order: rank
+        by rank, each rank's part sequence by sequence)."""
+        per_seq = [self._positions(n, cp_size, cp_rank, device) for n in lengths]
+        q_pos = torch.cat([q for q, _ in per_seq])
+        q_seg = torch.cat([torch.full((n // cp_size,), i, device=device) for i, n in enumerate(lengths)])
+        k_pos = torch.cat([k.view(cp_size, -1)[r] for r in range(cp_size) for _, k in per_seq])
+        k_seg = torch.cat([torch.full((n // cp_size,), i, device=device)
+                           for _ in range(cp_size) for i, n in enumerate(lengths)])
+        return q_pos, k_pos, q_seg, k_seg
 
     @staticmethod
     def _positions(seq_len: int, cp_size: int, cp_rank: int, device):
@@ -105,8 +132,10 @@ class LocalCoreAttention(MegatronModule):
         k_pos = torch.cat([cp_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
         return cp_positions(seq_len, cp_size, cp_rank, device), k_pos
 
-    def _attend(self, q, k, v, q_pos, k_pos):
+    def _attend(self, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # causal by global position
+        if q_seg is not None:
+            mask &= k_seg.unsqueeze(0) == q_seg.unsqueeze(1)  # within the same packed sequence
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=True)

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,15 @@ import requests
 
 from rlhf_mc.config import RolloutConfig
 from rlhf_mc.rollout import cpu
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that launched it dies (even by SIGKILL, e.g. a Ray
+    actor killed with its job), so no server outlives its owner. SGLang's own subprocesses follow their parent."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class ServerProcess:
@@ -48,8 +58,11 @@ class ServerProcess:
         env = cpu.server_env(dict(os.environ), self.cfg.tp) if cpu.on_cpu() else dict(os.environ)
         with open(self.log_path, "ab") as log:
             # Own session: the server and its scheduler processes form one process group we can signal whole.
+            # The parent-death signal fires when the launching *thread* ends: only servers started from the main
+            # thread get it (a restart from a request thread does not).
+            main = threading.current_thread() is threading.main_thread()
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent if main else None)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

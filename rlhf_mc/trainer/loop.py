@@ -201,6 +201,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
     loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
+    temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
     metrics: dict = {}
     if val_prompts and step == 0:
@@ -223,13 +224,13 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
             starts = [len(prompts[s.prompt_index].ids) for s in samples]
             per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
             with timer("old_logprob"):
-                out = actor.gathered("forward", len(seqs), "logprobs", seqs, starts, r.temperature, True,
+                out = actor.gathered("forward", len(seqs), "logprobs", seqs, starts, temperature, True,
                                      recipe.actor.micro_batch_tokens)
                 per_token["old_logprobs"] = [o["logprobs"] for o in out]
                 entropy = torch.cat([o["entropy"] for o in out])
             if recipe.uses_reference:
                 with timer("ref_logprob"):
-                    out = actor.gathered("forward", len(seqs), "ref_logprobs", seqs, starts, r.temperature, False,
+                    out = actor.gathered("forward", len(seqs), "ref_logprobs", seqs, starts, temperature, False,
                                          recipe.actor.micro_batch_tokens)
                     per_token["ref_logprobs"] = [o["logprobs"] for o in out]
             if critic:
@@ -241,7 +242,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
                 per_token.update(advantages(recipe, scores, [s.prompt_index for s in samples], per_token))
             with timer("update_actor"):
                 actor_metrics = actor.call("update", "actor", seqs, starts, per_token, mini_batches,
-                                           recipe.actor.ppo_epochs, loss_cfg, r.temperature,
+                                           recipe.actor.ppo_epochs, loss_cfg, temperature,
                                            recipe.actor.micro_batch_tokens)[-1]
             critic_metrics = {}
             if critic:

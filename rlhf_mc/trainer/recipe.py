@@ -29,9 +29,9 @@ class ModelSection:
 
     def __post_init__(self):
         if not self.path and not self.config:
-            raise ConfigError("model: give model.path (an HF checkpoint dir) or model.config (a model_configs YAML)")
+            raise ConfigError("path: give model.path (an HF checkpoint dir) or model.config (a model_configs YAML)")
         if not (self.tokenizer or self.path):
-            raise ConfigError("model.tokenizer: required when model.path is not set")
+            raise ConfigError("tokenizer: required when model.path is not set")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +49,10 @@ class DataSection:
 
     def __post_init__(self):
         if not self.train_path:
-            raise ConfigError("data.train_path: required")
+            raise ConfigError("train_path: required")
         for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +71,11 @@ class RolloutSection:
     def __post_init__(self):
         for name in ("n", "val_n", "sync_bucket_mb"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature: must be > 0 for training samples, got {self.temperature}")
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         if self.engine.model_path:
-            raise ConfigError("rollout.engine.model_path: set by the trainer from the actor's weights; leave it out")
+            raise ConfigError("engine.model_path: set by the trainer from the actor's weights; leave it out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +92,9 @@ class PolicyLossSection:
 
     def __post_init__(self):
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError(f"actor.loss.dual_clip: must be > 1, got {self.dual_clip}")
+            raise ConfigError(f"dual_clip: must be > 1, got {self.dual_clip}")
         if self.kl_loss_coef < 0:
-            raise ConfigError(f"actor.loss.kl_loss_coef: must be >= 0, got {self.kl_loss_coef}")
+            raise ConfigError(f"kl_loss_coef: must be >= 0, got {self.kl_loss_coef}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,7 @@ class SFTSection:
 
     def __post_init__(self):
         if self.data_path and self.steps < 1:
-            raise ConfigError(f"sft.steps: must be >= 1 with sft.data_path set, got {self.steps}")
+            raise ConfigError(f"steps: must be >= 1 with sft.data_path set, got {self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +188,9 @@ class TrainerSection:
 
     def __post_init__(self):
         if self.total_steps < 0 or self.total_epochs < 1:
-            raise ConfigError(f"trainer.total_steps/total_epochs: got {self.total_steps}/{self.total_epochs}")
+            raise ConfigError(f"total_steps/total_epochs: got {self.total_steps}/{self.total_epochs}")
         if self.keep_checkpoints < 1:
-            raise ConfigError(f"trainer.keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
+            raise ConfigError(f"keep_checkpoints: must be >= 1, got {self.keep_checkpoints}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +292,14 @@ class Plan:
         return rows
 
 
+def _in_section(prefix: str, check, *args):
+    """Runs a check whose errors name fields relative to a section; re-raises them with the section's path."""
+    try:
+        return check(*args)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}") from None
+
+
 def _mini_batch(section: TrainSection, recipe: Recipe, role: str, world: int) -> tuple[int, int]:
     """(mini-batches per step, sequences per mini-batch per DP rank) for the actor or critic."""
     data, n = recipe.data, recipe.rollout.n
@@ -299,7 +307,7 @@ def _mini_batch(section: TrainSection, recipe: Recipe, role: str, world: int) ->
     if data.train_batch_size % mini:
         raise ConfigError(f"{role}.ppo_mini_batch_size: {mini} does not divide data.train_batch_size="
                           f"{data.train_batch_size}")
-    dp = section.parallel.dp(world)
+    dp = _in_section(f"{role}.", section.parallel.dp, world)
     if (mini * n) % dp:
         raise ConfigError(f"{role}.ppo_mini_batch_size: {mini} prompts x rollout.n={n} = {mini * n} sequences do not "
                           f"divide over {role} data-parallel size {dp} ({world} devices / tp*pp*cp="
@@ -333,14 +341,14 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     # Roles share the training devices (Megatron workers of each role are colocated, as verl does).
     actor_world = critic_world = train_devices
     for role, section in (("actor", recipe.actor), *((("critic", recipe.critic),) if recipe.uses_critic else ())):
-        section.parallel.check_model(model)
+        _in_section(f"{role}.parallel.", section.parallel.check_model, model)
         if section.parallel.ep > 1:
             raise ConfigError(f"{role}.parallel.ep: {section.parallel.ep} needs a mixture-of-experts model; "
                               f"{model.name or model.family} is dense")
     ref_world = train_devices if separate_ref else 0
     if separate_ref:
-        recipe.ref.parallel.check_model(model)
-        recipe.ref.parallel.dp(ref_world)
+        _in_section("ref.parallel.", recipe.ref.parallel.check_model, model)
+        _in_section("ref.", recipe.ref.parallel.dp, ref_world)
     mini_batches, per_rank = _mini_batch(recipe.actor, recipe, "actor", actor_world)
     if recipe.uses_critic:
         _mini_batch(recipe.critic, recipe, "critic", critic_world)
@@ -353,13 +361,13 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
             raise ConfigError(f"{role}.micro_batch_tokens: {section.micro_batch_tokens} (x cp="
                               f"{section.parallel.cp}) cannot hold one sequence of data.max_prompt_length + "
                               f"data.max_response_length = {longest} tokens")
+    if longest > model.max_position_embeddings:
+        raise ConfigError(f"data.max_response_length: prompt + response = {longest} tokens exceed the model's "
+                          f"max_position_embeddings={model.max_position_embeddings}")
     context = engine.context_length or model.max_position_embeddings
     if context < longest + 2:
         raise ConfigError(f"rollout.engine.context_length: {context} is shorter than data.max_prompt_length + "
                           f"data.max_response_length + 2 = {longest + 2}")
-    if longest > model.max_position_embeddings:
-        raise ConfigError(f"data.max_response_length: prompt + response = {longest} tokens exceed the model's "
-                          f"max_position_embeddings={model.max_position_embeddings}")
     transport = recipe.rollout.sync_transport
     if transport == "auto":
         transport = "tensor" if colocated else "distributed"
@@ -388,8 +396,14 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 sync_transport=transport, placement=placement)
 
 
-def check_files(recipe: Recipe) -> None:
-    """Input files exist (checked at launch, not in --dry-run, which may run away from the data)."""
+def check_launch(recipe: Recipe) -> None:
+    """What --dry-run does not check (it may run away from the data): input files exist, the reward function
+    imports, the checkpoint to resume from is complete."""
+    from rlhf_mc.rewards.scoring import resolve
+    from rlhf_mc.trainer.checkpoints import resume_from
+
+    resolve(recipe.reward.function)
+    resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
     for key, value in (("model.path", recipe.model.path), ("model.tokenizer", recipe.model.tokenizer),
                        ("data.train_path", recipe.data.train_path), ("data.val_path", recipe.data.val_path),
                        ("sft.data_path", recipe.sft.data_path)):

@@ -36,7 +36,8 @@ class ModelWorker:
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                           MASTER_PORT=str(master[1]))
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        if not torch.cuda.is_available():  # CPU ranks share the machine's cores (Ray sets OMP_NUM_THREADS=1)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         init_distributed()
         init_parallel(parallel, seed=seed)
         self.model, self.parallel, self.rank = model, parallel, rank

@@ -1,0 +1,129 @@
+"""Recipes: every shipped recipe passes --dry-run; the plan's numbers match hand computation (DESIGN.md's example);
+every malformed recipe fails before anything starts, with one line naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_mc.config import ConfigError
+from rlhf_mc.trainer.recipe import apply_overrides, load_recipe, make_plan, model_config
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+QUICKSTART = REPO / "recipes/quickstart.yaml"
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools/launch.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_shipped_recipes_dry_run(recipe):
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from launch import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(recipe), "--dry-run"]) == 0
+    text = out.getvalue()
+    assert "plan:" in text and "placement:" in text and "node 0 device 0: actor rank 0" in text
+
+
+def test_real_scale_plans():
+    """The numbers the recipes promise: devices, layouts, placement."""
+    def plan(name):
+        recipe = load_recipe(REPO / "recipes" / name)
+        return make_plan(recipe, model_config(recipe))
+
+    ppo = plan("ppo_llama3.1_70b.yaml")
+    assert (ppo.devices, ppo.actor_world, ppo.actor_dp, ppo.critic_world, ppo.rollout_devices) == (48, 32, 1, 32, 16)
+    assert ppo.sync_transport == "distributed"
+    assert ppo.placement[32]["roles"] == ["rollout engine 0 tp rank 0"] and ppo.placement[32]["node"] == 4
+    long = plan("grpo_long_context_cp2.yaml")
+    assert long.max_sequence_tokens == 32048 and long.actor_dp == 1 and long.context_length == 32768
+    dapo = plan("dapo_qwen3_8b.yaml")
+    assert (dapo.devices, dapo.actor_dp, dapo.sequences_per_step) == (16, 2, 512 * 16)
+
+
+@pytest.mark.parametrize("tp, dp, per_rank", [(2, 3, 240), (1, 6, 120)])
+def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
+    """DESIGN.md: 60 prompts x 12 samples = 720 sequences; 6 devices at TP=2 -> DP=3 -> 240 per rank per
+    mini-batch (TP=1: DP=6 -> 120)."""
+    recipe = load_recipe(QUICKSTART, ["data.train_batch_size=60", "rollout.n=12", "actor.ppo_mini_batch_size=60",
+                                      "resources.devices_per_node=6", f"actor.parallel.tp={tp}"])
+    plan = make_plan(recipe, model_config(recipe), cuda=False)
+    assert (plan.sequences_per_step, plan.actor_dp, plan.sequences_per_mini_batch_per_rank) == (720, dp, per_rank)
+    assert plan.mini_batches_per_step == 1 and plan.optimizer_steps_per_step == 1
+
+
+def test_overrides_parse_yaml_values():
+    data = apply_overrides({"actor": {"optim": {"lr": 1.0}}}, ["actor.optim.lr=1e-3", "trainer.loggers=[jsonl]",
+                                                               "rollout.engine.tp=2"])
+    assert data == {"actor": {"optim": {"lr": "1e-3"}}, "trainer": {"loggers": ["jsonl"]},
+                    "rollout": {"engine": {"tp": 2}}}
+    recipe = load_recipe(QUICKSTART, ["actor.optim.lr=1e-3"])
+    assert recipe.actor.optim.lr == 1e-3  # YAML 1.1 reads "1e-3" as a string; the schema takes it as a float
+
+
+BAD = [
+    (["actor.optim.lrr=1"], "actor.optim.lrr: unknown key"),
+    (["actor.optim.lr=fast"], "actor.optim.lr: expected float, got str 'fast'"),
+    (["actor.optim.lr=-1"], "lr: must be positive, got -1.0"),
+    (["trainer.total_step=3"], "trainer.total_step: unknown key"),
+    (["rollout.n"], "override 'rollout.n': expected key=value"),
+    (["rollout.n=1"], "rollout.n: 1 with algorithm.estimator=grpo"),
+    (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size: 5 does not divide data.train_batch_size=32"),
+    (["actor.ppo_mini_batch_size=1", "rollout.n=2", "resources.devices_per_node=4"],
+     "actor.ppo_mini_batch_size: 1 prompts x rollout.n=2 = 2 sequences do not divide over actor data-parallel "
+     "size 4"),
+    (["actor.micro_batch_tokens=10"], "actor.micro_batch_tokens: 10 (x cp=1) cannot hold one sequence"),
+    (["actor.parallel.tp=3", "resources.devices_per_node=3"], "tp: 3 does not divide model.num_attention_heads=4"),
+    (["actor.parallel.tp=2"], "parallel: world size 1 is not divisible by tp*pp*cp"),
+    (["rollout.engine.context_length=10"], "rollout.engine.context_length: 10 is shorter than"),
+    (["rollout.placement=disaggregated", "rollout.sync_transport=tensor", "resources.devices_per_node=2"],
+     "rollout.sync_transport: tensor needs rollout.placement=colocated"),
+    (["rollout.placement=disaggregated"], "rollout.placement: disaggregated, but num_engines*tp = 1 leaves no device"),
+    (["rollout.engine.model_path=/x"], "rollout.engine.model_path: set by the trainer"),
+    (["rollout.temperature=0.0", "rollout.engine.tpp=2"], "rollout.engine.tpp: unknown key"),
+    (["algorithm.estimator=ppo"], "algorithm.estimator: 'ppo' is not one of"),
+    (["actor.loss.dual_clip=0.5"], "actor.loss.dual_clip: must be > 1, got 0.5"),
+    (["model.config=model_configs/none.yaml"], "model.config: file not found"),
+    (["data.max_response_length=100"], "exceed the model's max_position_embeddings=64"),
+    (["reward.function=no_such"], "reward.function: 'no_such' is neither a built-in"),
+    (["reward.function=json:no_such_fn"], "reward.function: cannot import 'json:no_such_fn'"),
+    (["data.train_path=/nonexistent.jsonl"], "data.train_path: not found: /nonexistent.jsonl"),
+    (["trainer.resume=/nonexistent"], "trainer.resume: '/nonexistent' is not a complete checkpoint"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_malformed_recipe_fails_before_start(overrides, message, tmp_path):
+    """Exit code 2, one line naming the field, and nothing started (no output directory, no Ray session)."""
+    out = tmp_path / "run"
+    result = _launch(str(QUICKSTART), f"trainer.output_dir={out}", *overrides)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert not out.exists()
+
+
+def test_recipe_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {config: model_configs/tiny-arith.yaml, tokenizer: recipes/data/arith}\n")
+    with pytest.raises(ConfigError, match="^data: required key is missing$"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="^data.train_path: required$"):
+        load_recipe(bad, ["data.max_prompt_length=8"])
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_recipe(tmp_path / "missing.yaml")

@@ -1,0 +1,95 @@
+"""The trainer end to end through tools/launch.py (Ray, Megatron workers, an SGLang engine, the SFT warm start):
+a run killed with SIGKILL mid-way and relaunched with resume=auto logs the same metrics for the following steps as
+an uninterrupted run, and leaves its checkpoints, metrics and final HF export in place.
+
+Rollouts are greedy (temperature 0) because SGLang honours sampling seeds only on GPU backends (rollout/base.py);
+REINFORCE++ with one sample per prompt still gives non-zero advantages, so the weights move every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+ARGS = ["recipes/quickstart.yaml", "sft.steps=40", "sft.batch_size=32", f"trainer.total_steps={STEPS}",
+        "trainer.save_interval=2", "trainer.val_interval=3", "data.val_size=16", "data.train_batch_size=8",
+        "rollout.n=1", "rollout.temperature=0", "rollout.val_n=1", "algorithm.estimator=reinforce_pp",
+        "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3", "trainer.loggers=[jsonl]"]
+VOLATILE = ("timing/", "sync/seconds", "sync/peak_extra_mb")
+
+
+def _start(out: Path) -> subprocess.Popen:
+    log = open(out.with_suffix(".log"), "ab")
+    return subprocess.Popen([sys.executable, "tools/launch.py", *ARGS, f"trainer.output_dir={out}"], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> None:
+    assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-4000:]
+
+
+def _kill_run(proc: subprocess.Popen, out: Path) -> None:
+    """SIGKILL to the launcher's whole session (driver, Ray, workers), then anything still serving this run."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+        if not left:
+            return
+        for p in left:
+            p.kill()
+        time.sleep(1)
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    """Per RL step, the last record logged for it (a resumed run logs the steps after its checkpoint again)."""
+    steps = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "reward/mean" in record:
+            steps[record["step"]] = {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+    return steps
+
+
+def test_killed_run_resumes_with_identical_metrics(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _finish(_start(straight), straight)
+
+    proc = _start(resumed)
+    first_checkpoint = resumed / "checkpoints" / "step_000002" / "trainer_state.json"
+    deadline = time.time() + 900
+    while not first_checkpoint.exists():
+        assert proc.poll() is None, resumed.with_suffix(".log").read_text()[-4000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    _kill_run(proc, resumed)
+    killed_at = max(_metrics(resumed))
+    assert killed_at < STEPS, "the run finished before it could be killed"
+    _finish(_start(resumed), resumed)
+    log = resumed.with_suffix(".log").read_text()
+    resumed_from = int(log.rsplit("resumed from", 1)[1].split("at step ")[1].split()[0])
+    assert 2 <= resumed_from < STEPS
+
+    a, b = _metrics(straight), _metrics(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in range(resumed_from + 1, STEPS + 1):
+        assert a[step].keys() == b[step].keys()
+        for key, value in a[step].items():
+            assert b[step][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step, key, value, b[step][key])
+    # The weights moved: the policy-gradient steps had a gradient, and the greedy responses changed over the run.
+    assert all(a[s]["actor/grad_norm"] > 0 for s in a)
+    assert "val/accuracy" in a[3] and "val/accuracy" in a[STEPS]
+    # Kept: the newest trainer.keep_checkpoints (2) complete checkpoints, the final HF export.
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
+    assert (straight / "final_hf" / "config.json").is_file() and (straight / "final_hf" / "tokenizer.json").is_file()
+    assert not list((resumed / "checkpoints").glob("*.tmp"))
