@@ -45,13 +45,18 @@ def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter
 
 
 def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False) -> None:
-    """Loads an HF checkpoint into this rank's chunks; refuses a config that differs from `model`."""
+    """Loads an HF checkpoint into this rank's chunks; refuses a config that differs from `model`. A value head
+    (critic) keeps its own initialization: a causal-LM checkpoint has none."""
     from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models.gpt import ValueHead
 
     check_matches(model, read_hf_config(hf_dir))
     ckpt = HFCheckpoint(hf_dir)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    params = list(local_parameters(chunks))
+    value_head = {id(p) for chunk in chunks for m in _unwrap(chunk).modules() if isinstance(m, ValueHead)
+                  for p in m.parameters()}
+    params = [entry for entry in local_parameters(chunks) if id(entry[3]) not in value_head]
     for _, _, name, param in tqdm(params, desc="load HF weights", disable=not progress):
         rule = rule_for(name, model)
         shard = read_shard(rule, ckpt, model, tp_rank, tp_size)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 
@@ -27,9 +28,20 @@ def _sharded_state_dict(chunks) -> dict:
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def _fill_fresh_optimizer_state(optimizer) -> None:
+    """Megatron-Core 0.16's DistributedOptimizer.state_dict() asserts that torch Adam's per-parameter state (its
+    "step") exists, which a fresh optimizer lacks until its first step: give it placeholder state (Megatron's own
+    zero-gradient step) before loading. The parameters it may touch (weight decay) are loaded right after."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
 def _state(chunks, optimizer, is_loading: bool) -> dict:
     state = _sharded_state_dict(chunks)
     if optimizer is not None:
+        if is_loading:
+            _fill_fresh_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)
     return state
 
@@ -69,4 +81,21 @@ def load_model(chunks, path: str | Path, optimizer=None) -> None:
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # fp32 main params are views of the model's parameters (leaves that require grad)
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer, loaded["optimizer"])
+
+
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Megatron-Core 0.16's dp_reshardable load (torch Adam, no TE/apex) hands back each parameter's Adam "step" from
+    the in-memory placeholder instead of the checkpoint (measured: 1.0 after 3 saved steps); the saved step is in
+    the param groups. Adam's bias correction depends on it. One tensor per parameter: torch Adam increments it in
+    place."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt, state in zip(chained, [loaded] if len(chained) == 1 else [loaded[i] for i in range(len(chained))]):
+        steps = {g["step"] for g in state["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) == 1:
+            step = float(steps.pop())
+            for param_state in opt.optimizer.state.values():
+                if "step" in param_state:
+                    param_state["step"] = torch.tensor(step, dtype=torch.float32)

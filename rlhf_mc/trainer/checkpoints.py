@@ -1,5 +1,5 @@
-"""Where a run keeps its checkpoints: <output_dir>/checkpoints/step_<N>, each complete once renamed from its .tmp
-(models/checkpoint.py); resume=auto takes the newest complete one."""
+"""Where a run keeps its checkpoints: <output_dir>/checkpoints/step_<N> (+ step_<N>_critic), each complete once renamed
+from its .tmp (models/checkpoint.py); resume=auto takes the newest complete one."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ _STEP = re.compile(r"^step_(\d+)$")
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def critic_dir(checkpoint: Path) -> Path:
+    """The critic's part of a checkpoint, written before the actor's (whose trainer_state.json completes both)."""
+    return checkpoint.with_name(checkpoint.name + "_critic")
 
 
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -42,4 +47,5 @@ def resume_from(run_dir: Path, resume: str) -> Path | None:
 
 def prune(run_dir: Path, keep: int) -> None:
     for _, path in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(critic_dir(path), ignore_errors=True)
         shutil.rmtree(path, ignore_errors=True)

@@ -108,20 +108,21 @@ def rollout(cluster: Cluster, tokenizer, prompts: list[Prompt], sampling: Sampli
 
 
 def validate(recipe: Recipe, cluster: Cluster, tokenizer, scorer: RewardScorer, prompts: list[Prompt]) -> dict:
-    """Greedy accuracy (score > 0) and, with rollout.val_n > 1, pass@val_n over sampled responses."""
+    """Greedy accuracy (score >= reward.correct_score) and, with rollout.val_n > 1, pass@val_n over samples."""
     r, max_new = recipe.rollout, recipe.data.max_response_length
     eos = (tokenizer.eos_token_id,)
     samples, texts = rollout(cluster, tokenizer, prompts, SamplingParams(temperature=0, max_new_tokens=max_new,
                                                                          stop_token_ids=eos))
     scores, _ = scorer.score(texts, [p.answer for p in prompts], [p.text for p in prompts])
-    out = {"val/accuracy": sum(s > 0 for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
+    correct = recipe.reward.correct_score
+    out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
     if r.val_n > 1:
         sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=max_new, stop_token_ids=eos)
         samples, texts = rollout(cluster, tokenizer, prompts, sampling)
         scores, _ = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
                                  [prompts[s.prompt_index].text for s in samples])
-        solved = {s.prompt_index for s, score in zip(samples, scores) if score > 0}
+        solved = {s.prompt_index for s, score in zip(samples, scores) if score >= correct}
         out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
     return out
 
@@ -179,7 +180,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         if resume:
             trainer_state = actor.call("load", str(resume))[0]
             if critic:
-                critic.call("load", str(resume / "critic"))
+                critic.call("load", str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
         actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20)
         step = trainer_state["step"]
@@ -256,7 +257,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
             with timer("sync"):
                 sync_metrics = actor.call("sync", step)[0]
         metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
-                                epoch, dropped, len(rows) * r.n - len(samples))
+                                epoch, dropped, len(rows) * r.n - len(samples), recipe.reward.correct_score)
         metrics.update(sync_metrics, **timer.times)
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
             metrics.update(validate(recipe, cluster, tokenizer, scorer, val_prompts))
@@ -265,18 +266,18 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
         if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
             path = checkpoints.checkpoint_dir(run_dir, step)
             if not path.exists():
+                if critic:  # first: the actor's trainer_state.json marks the checkpoint complete
+                    critic.call("save", str(checkpoints.critic_dir(path)))
                 actor.call("save", str(path), {"step": step})
-                if critic:
-                    critic.call("save", str(path / "critic"))
                 checkpoints.prune(run_dir, trainer.keep_checkpoints)
     return metrics
 
 
 def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,
-                  empty) -> dict:
+                  empty, correct) -> dict:
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     old, rollout_lp = torch.cat(per_token["old_logprobs"]), torch.cat(per_token["rollout_logprobs"])
-    out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s > 0 for s in scores) / len(scores),
+    out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s >= correct for s in scores) / len(scores),
            **reward_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
            "response/clipped_fraction": sum(s.finish_reason != "stop" for s in samples) / len(samples),
            "actor/entropy": entropy.mean().item(),

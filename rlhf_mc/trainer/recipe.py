@@ -142,8 +142,9 @@ class RewardSection:
     # fn(response: str, answer: str, prompt: str, **kwargs) -> float
     function: str = "math"
     kwargs: dict = dataclasses.field(default_factory=dict)
-    timeout_s: float = 10.0  # per sample; a failure or timeout scores failure_score and is counted
+    timeout_s: float = 10.0  # for one batch's scores; a failure or a late score gets failure_score and is counted
     failure_score: float = 0.0
+    correct_score: float = 1.0  # a score at or above it counts as correct (accuracy, pass@k)
     workers: int = 4  # reward calls in flight
 
 
