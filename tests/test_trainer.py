@@ -100,3 +100,27 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_000004", "step_000006"]
     assert (straight / "final_hf" / "config.json").is_file() and (straight / "final_hf" / "tokenizer.json").is_file()
     assert not list((resumed / "checkpoints").glob("*.tmp"))
+
+
+def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
+    """PPO (GAE with a critic, KL in the reward), the reference in its own worker group, a learned reward model
+    added to the rule: two steps run; at step 1 the reference equals the actor (KL 0), at step 2 it does not."""
+    from tests.test_reward_model import write_reward_model
+
+    out = tmp_path / "ppo"
+    rm = write_reward_model(tmp_path / "rm")
+    result = subprocess.run(
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.steps=10",
+         "trainer.total_steps=2", "trainer.save_interval=1", "data.train_batch_size=8", "rollout.n=2",
+         "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3", "algorithm.estimator=gae",
+         "algorithm.kl_in_reward_coef=0.01", "ref.placement=separate", "critic.optim.lr=1e-4",
+         "critic.micro_batch_tokens=4096", f"reward.model={rm}", "data.val_path=", "trainer.loggers=[jsonl]"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = _metrics(out)
+    for metrics in steps.values():
+        assert {"critic/value_loss", "critic/grad_norm", "actor/kl_ref", "reward/model_mean"} <= metrics.keys()
+        assert metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
+    assert abs(steps[1]["actor/kl_ref"]) < 1e-6 and abs(steps[2]["actor/kl_ref"]) > 1e-6
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_000001", "step_000001_critic", "step_000002", "step_000002_critic"]

@@ -44,9 +44,11 @@ def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter
             yield index, name, name_global, param
 
 
-def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False) -> None:
+def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False,
+                    value_head_from: str | None = None) -> None:
     """Loads an HF checkpoint into this rank's chunks; refuses a config that differs from `model`. A value head
-    (critic) keeps its own initialization: a causal-LM checkpoint has none."""
+    loads the HF tensor `value_head_from` ("score.weight" of a sequence-classification reward model), or keeps its
+    own initialization (a critic started from a causal LM)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.models.gpt import ValueHead
@@ -56,9 +58,9 @@ def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False) 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     value_head = {id(p) for chunk in chunks for m in _unwrap(chunk).modules() if isinstance(m, ValueHead)
                   for p in m.parameters()}
-    params = [entry for entry in local_parameters(chunks) if id(entry[3]) not in value_head]
+    params = [entry for entry in local_parameters(chunks) if value_head_from or id(entry[3]) not in value_head]
     for _, _, name, param in tqdm(params, desc="load HF weights", disable=not progress):
-        rule = rule_for(name, model)
+        rule = Rule(name, (value_head_from,)) if id(param) in value_head else rule_for(name, model)
         shard = read_shard(rule, ckpt, model, tp_rank, tp_size)
         if shard.shape != param.shape:
             raise ValueError(f"{name}: HF tensors {list(rule.hf_names)} give a shard of shape {list(shard.shape)}, "

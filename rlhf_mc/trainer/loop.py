@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from rlhf_mc.algorithms import core
+from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rollout.base import SamplingParams
@@ -71,8 +72,6 @@ def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token
 def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
     """config.json for the actor's HF exports: the source's when the model came from HF, else made from the model
     config with the tokenizer's special tokens (SGLang stops at the config's eos_token_id)."""
-    from rlhf_mc.bridge.hf_config import hf_config_from_model, read_hf_config
-
     if recipe.model.path:
         return read_hf_config(resolve_path(recipe.model.path))
     config = hf_config_from_model(model, recipe.model.dtype)
@@ -107,21 +106,37 @@ def rollout(cluster: Cluster, tokenizer, prompts: list[Prompt], sampling: Sampli
     return samples, texts
 
 
-def validate(recipe: Recipe, cluster: Cluster, tokenizer, scorer: RewardScorer, prompts: list[Prompt]) -> dict:
+def score(scorer: RewardScorer | None, reward_model, prompts: list[Prompt], samples, texts: list[str]
+          ) -> tuple[list[float], dict]:
+    """Per sample: the rule's score (reward.function) plus the reward model's (reward.model), with their stats."""
+    scores, stats = [0.0] * len(samples), {}
+    if scorer is not None:
+        scores, stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
+                                     [prompts[s.prompt_index].text for s in samples])
+    if reward_model is not None:
+        # The score of a sequence is the head's output at its last token: the value "before" one appended token.
+        seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
+        out = reward_model.gathered("forward", len(seqs), "values", [q + [0] for q in seqs], [len(q) for q in seqs])
+        learned = [o["values"][0].item() for o in out]
+        scores = [a + b for a, b in zip(scores, learned)]
+        stats["reward/model_mean"] = sum(learned) / len(learned)
+    return scores, stats
+
+
+def validate(recipe: Recipe, cluster: Cluster, tokenizer, rewards: tuple, prompts: list[Prompt]) -> dict:
     """Greedy accuracy (score >= reward.correct_score) and, with rollout.val_n > 1, pass@val_n over samples."""
     r, max_new = recipe.rollout, recipe.data.max_response_length
     eos = (tokenizer.eos_token_id,)
     samples, texts = rollout(cluster, tokenizer, prompts, SamplingParams(temperature=0, max_new_tokens=max_new,
                                                                          stop_token_ids=eos))
-    scores, _ = scorer.score(texts, [p.answer for p in prompts], [p.text for p in prompts])
+    scores, _ = score(*rewards, prompts, samples, texts)
     correct = recipe.reward.correct_score
     out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
     if r.val_n > 1:
         sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=max_new, stop_token_ids=eos)
         samples, texts = rollout(cluster, tokenizer, prompts, sampling)
-        scores, _ = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
-                                 [prompts[s.prompt_index].text for s in samples])
+        scores, _ = score(*rewards, prompts, samples, texts)
         solved = {s.prompt_index for s, score in zip(samples, scores) if score >= correct}
         out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
     return out
@@ -146,7 +161,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
     per_epoch = len(train_prompts) // data.train_batch_size
     total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
     scorer = RewardScorer(recipe.reward.function, recipe.reward.kwargs, recipe.reward.timeout_s,
-                          recipe.reward.failure_score, recipe.reward.workers)
+                          recipe.reward.failure_score, recipe.reward.workers) if recipe.reward.function else None
     resume = checkpoints.resume_from(run_dir, recipe.trainer.resume)
     trainer_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {"step": 0}
     logger = MetricsLogger(run_dir, recipe.trainer.loggers, total_steps, trainer_state["step"], to_dict(recipe),
@@ -185,8 +200,18 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20)
         step = trainer_state["step"]
         actor.call("sync", step)  # the engines hold the actor's weights, version = step
-        metrics = _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts, val_prompts,
-                             step, total_steps, logger, run_dir, dropped)
+        reference = actor
+        if recipe.uses_reference and recipe.ref.placement == "separate":
+            reference = cluster.worker_group("ref", model, recipe.ref.parallel)
+            reference.call("load_hf", str(init_hf))
+        reward_model = None
+        if recipe.reward.model:
+            reward_path = str(resolve_path(recipe.reward.model))
+            reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
+                                                recipe.reward.parallel, value_head=True)
+            reward_model.call("load_hf", reward_path, "score.weight")
+        metrics = _run_steps(recipe, cluster, actor, reference, critic, tokenizer, (scorer, reward_model),
+                             train_prompts, val_prompts, step, total_steps, logger, run_dir, dropped)
         if recipe.trainer.export_hf:
             shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
             actor.call("export_hf", str(run_dir / "final_hf"), hf_config, tokenizer_dir)
@@ -196,8 +221,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         cluster.shutdown()
 
 
-def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts, val_prompts, step, total_steps,
-               logger, run_dir, dropped) -> dict:
+def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts, step,
+               total_steps, logger, run_dir, dropped) -> dict:
     data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
     loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -206,7 +231,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
     metrics: dict = {}
     if val_prompts and step == 0:
-        logger.log(0, validate(recipe, cluster, tokenizer, scorer, val_prompts))
+        logger.log(0, validate(recipe, cluster, tokenizer, rewards, val_prompts))
     while step < total_steps:
         timer = Timer()
         with timer("step"):
@@ -219,8 +244,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
             kept = [i for i, s in enumerate(samples) if s.response_ids]  # prompts over the context get none
             samples, texts = [samples[i] for i in kept], [texts[i] for i in kept]
             with timer("reward"):
-                scores, reward_stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
-                                                    [prompts[s.prompt_index].text for s in samples])
+                scores, reward_stats = score(*rewards, prompts, samples, texts)
             seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
             starts = [len(prompts[s.prompt_index].ids) for s in samples]
             per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
@@ -231,8 +255,10 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
                 entropy = torch.cat([o["entropy"] for o in out])
             if recipe.uses_reference:
                 with timer("ref_logprob"):
-                    out = actor.gathered("forward", len(seqs), "ref_logprobs", seqs, starts, temperature, False,
-                                         recipe.actor.micro_batch_tokens)
+                    # The reference's own worker group, or its weights swapped into the actor's modules.
+                    kind = "ref_logprobs" if reference is actor else "logprobs"
+                    out = reference.gathered("forward", len(seqs), kind, seqs, starts, temperature, False,
+                                             recipe.actor.micro_batch_tokens)
                     per_token["ref_logprobs"] = [o["logprobs"] for o in out]
             if critic:
                 with timer("values"):
@@ -260,7 +286,7 @@ def _run_steps(recipe, cluster, actor, critic, tokenizer, scorer, train_prompts,
                                 epoch, dropped, len(rows) * r.n - len(samples), recipe.reward.correct_score)
         metrics.update(sync_metrics, **timer.times)
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
-            metrics.update(validate(recipe, cluster, tokenizer, scorer, val_prompts))
+            metrics.update(validate(recipe, cluster, tokenizer, rewards, val_prompts))
         logger.log(step, metrics)
         logger.advance()
         if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:

@@ -43,8 +43,9 @@ class WorkerGroup:
         def strategy(bundle: int):
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
-        # Several groups share a bundle (colocated roles): each rank takes a fraction of its device.
-        share = 1.0 / 4
+        # Several groups share a bundle (colocated roles: actor, critic, reference, reward model, engine): each rank
+        # takes a small fraction of its device, so that all fit.
+        share = 0.1
         remote = ray.remote(ModelWorker).options
         master = ray.get(ray.remote(node_address).options(
             num_cpus=0, scheduling_strategy=strategy(bundles[0])).remote())
@@ -138,7 +139,7 @@ class Cluster:
                         placement_group=self.pg, placement_group_bundle_index=b)).remote()
                     for b in range(bundle, bundle + cfg.tp)])
                 visible = ",".join(str(int(i[0])) for i in ids)
-            self.engines.append(remote(num_cpus=0.1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.engines.append(remote(num_cpus=0.05, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.pg, placement_group_bundle_index=bundle)).remote(
                 cfg, str(log_dir / f"engine{e}"), visible))
         return ray.get([engine.address.remote() for engine in self.engines])

@@ -139,13 +139,21 @@ class AlgorithmSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
     # a built-in rule ("math", "format", "math_and_format") or an import path "package.module:function" called as
-    # fn(response: str, answer: str, prompt: str, **kwargs) -> float
+    # fn(response: str, answer: str, prompt: str, **kwargs) -> float; "" = none (a reward model alone)
     function: str = "math"
+    # a learned reward: an HF sequence-classification checkpoint (one label) run as its own Megatron worker group;
+    # its score of prompt + response is added to the rule's
+    model: str = ""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # of the reward model
     kwargs: dict = dataclasses.field(default_factory=dict)
     timeout_s: float = 10.0  # for one batch's scores; a failure or a late score gets failure_score and is counted
     failure_score: float = 0.0
     correct_score: float = 1.0  # a score at or above it counts as correct (accuracy, pass@k)
     workers: int = 4  # reward calls in flight
+
+    def __post_init__(self):
+        if not self.function and not self.model:
+            raise ConfigError("function: no reward: give reward.function, reward.model or both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +278,7 @@ class Plan:
     rollout_devices: int
     critic_world: int
     ref_world: int
+    reward_world: int
     sequences_per_step: int
     mini_batches_per_step: int
     sequences_per_mini_batch_per_rank: int
@@ -282,7 +291,8 @@ class Plan:
     def lines(self) -> list[str]:
         rows = [f"devices: {self.devices} x {self.device}; actor world {self.actor_world} (dp={self.actor_dp})"
                 + (f", critic world {self.critic_world}" if self.critic_world else "")
-                + (f", reference world {self.ref_world}" if self.ref_world else ""),
+                + (f", reference world {self.ref_world}" if self.ref_world else "")
+                + (f", reward model world {self.reward_world}" if self.reward_world else ""),
                 f"per step: {self.sequences_per_step} sequences in {self.mini_batches_per_step} mini-batch(es) x "
                 f"epochs = {self.optimizer_steps_per_step} optimizer step(s); "
                 f"{self.sequences_per_mini_batch_per_rank} sequences per mini-batch per data-parallel rank",
@@ -350,6 +360,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if separate_ref:
         _in_section("ref.parallel.", recipe.ref.parallel.check_model, model)
         _in_section("ref.", recipe.ref.parallel.dp, ref_world)
+    reward_world = train_devices if recipe.reward.model else 0
+    if reward_world:
+        _in_section("reward.", recipe.reward.parallel.dp, reward_world)
     mini_batches, per_rank = _mini_batch(recipe.actor, recipe, "actor", actor_world)
     if recipe.uses_critic:
         _mini_batch(recipe.critic, recipe, "critic", critic_world)
@@ -384,6 +397,8 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 roles.append(f"critic rank {d}")
             if separate_ref:
                 roles.append(f"reference rank {d}")
+            if reward_world:
+                roles.append(f"reward model rank {d}")
         engine_slot = d if colocated else d - train_devices
         if 0 <= engine_slot < rollout_devices:
             roles.append(f"rollout engine {engine_slot // engine.tp} tp rank {engine_slot % engine.tp}")
@@ -391,7 +406,8 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     epochs = recipe.actor.ppo_epochs
     return Plan(device=device, devices=devices, actor_world=actor_world, actor_dp=recipe.actor.parallel.dp(actor_world),
                 rollout_devices=rollout_devices, critic_world=critic_world if recipe.uses_critic else 0,
-                ref_world=ref_world, sequences_per_step=recipe.data.train_batch_size * recipe.rollout.n,
+                ref_world=ref_world, reward_world=reward_world,
+                sequences_per_step=recipe.data.train_batch_size * recipe.rollout.n,
                 mini_batches_per_step=mini_batches, sequences_per_mini_batch_per_rank=per_rank,
                 optimizer_steps_per_step=mini_batches * epochs, max_sequence_tokens=longest, context_length=context,
                 sync_transport=transport, placement=placement)
@@ -403,8 +419,21 @@ def check_launch(recipe: Recipe) -> None:
     from rlhf_mc.rewards.scoring import resolve
     from rlhf_mc.trainer.checkpoints import resume_from
 
-    resolve(recipe.reward.function)
+    if recipe.reward.function:
+        resolve(recipe.reward.function)
     resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
+    if recipe.reward.model:
+        from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+
+        path = resolve_path(recipe.reward.model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"reward.model: no HF checkpoint (config.json) at {recipe.reward.model}")
+        hf = read_hf_config(path)
+        labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default: 2 labels
+        if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []) or labels != 1:
+            raise ConfigError(f"reward.model: {recipe.reward.model} is not a one-label sequence-classification "
+                              f"checkpoint (architectures {hf.get('architectures')})")
+        _in_section("reward.parallel.", recipe.reward.parallel.check_model, model_config_from_hf(hf))
     for key, value in (("model.path", recipe.model.path), ("model.tokenizer", recipe.model.tokenizer),
                        ("data.train_path", recipe.data.train_path), ("data.val_path", recipe.data.val_path),
                        ("sft.data_path", recipe.sft.data_path)):

@@ -48,10 +48,10 @@ class ModelWorker:
 
     # ------------------------------------------------------------ weights, optimizer, checkpoints
 
-    def load_hf(self, path: str) -> None:
+    def load_hf(self, path: str, value_head_from: str | None = None) -> None:
         from rlhf_mc.bridge.weights import load_hf_weights
 
-        load_hf_weights(self.chunks, path, self.model)
+        load_hf_weights(self.chunks, path, self.model, value_head_from=value_head_from)
 
     def setup_optimizer(self, optim: OptimizerConfig) -> None:
         from rlhf_mc.optim import setup_training
