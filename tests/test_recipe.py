@@ -120,8 +120,11 @@ def test_recipe_file_errors(tmp_path):
     bad.write_text("model: {config: model_configs/tiny-arith.yaml, tokenizer: recipes/data/arith}\n")
     with pytest.raises(ConfigError, match="^data: required key is missing$"):
         load_recipe(bad)
-    with pytest.raises(ConfigError, match="^data.train_path: required$"):
-        load_recipe(bad, ["data.max_prompt_length=8"])
+    recipe = load_recipe(bad, ["data.max_prompt_length=8"])
+    with pytest.raises(ConfigError, match=r"^data.train_path: required \(unless sft.only\)$"):
+        make_plan(recipe, model_config(recipe))
+    with pytest.raises(ConfigError, match="^sft.only: an SFT-only job needs sft.data_path$"):
+        load_recipe(bad, ["data.max_prompt_length=8", "sft.only=true"])
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="expected a mapping at the top level"):
         load_recipe(bad)

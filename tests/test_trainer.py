@@ -124,3 +124,22 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
     assert abs(steps[1]["actor/kl_ref"]) < 1e-6 and abs(steps[2]["actor/kl_ref"]) > 1e-6
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step_000001", "step_000001_critic", "step_000002", "step_000002_critic"]
+
+
+def test_sft_only_job(tmp_path):
+    """sft.only: the SFT stage alone (no prompts, no engine); its model is an HF checkpoint transformers loads, and
+    the logged loss fell."""
+    import transformers as T
+
+    out = tmp_path / "sft"
+    result = subprocess.run(
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.only=true",
+         "sft.steps=30", "data.train_path=", "data.val_path=", "trainer.loggers=[jsonl]"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = [json.loads(line)["sft/sft_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 30 and sum(losses[-5:]) < sum(losses[:5])
+    assert not (out / "logs").exists()  # no engine was started
+    model = T.AutoModelForCausalLM.from_pretrained(out / "init_hf")
+    tokenizer = T.AutoTokenizer.from_pretrained(out / "init_hf")
+    assert model.config.eos_token_id == tokenizer.eos_token_id == 2

@@ -82,7 +82,8 @@ def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
 
 def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_config: dict, tokenizer_dir: str,
             logger: MetricsLogger) -> None:
-    """The warm start: SFT on recipe.sft.data_path from the initial weights; the result exported to `out` (HF)."""
+    """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
+    the result exported to `out` (HF)."""
     sft, data = recipe.sft, recipe.data
     examples = load_sft(resolve_path(sft.data_path), tokenizer, data.prompt_key, sft.response_key,
                         data.chat_template, data.max_prompt_length + data.max_response_length)
@@ -153,13 +154,15 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
     tokenizer_dir = str(resolve_path(recipe.model.tokenizer or recipe.model.path))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     data, r = recipe.data, recipe.rollout
-    train_prompts, dropped = load_prompts(resolve_path(data.train_path), tokenizer, data.prompt_key,
-                                          data.answer_key, data.chat_template, data.max_prompt_length)
-    val_prompts = load_prompts(resolve_path(data.val_path), tokenizer, data.prompt_key, data.answer_key,
-                               data.chat_template, data.max_prompt_length)[0] if data.val_path else []
-    val_prompts = val_prompts[:data.val_size] if data.val_size else val_prompts
-    per_epoch = len(train_prompts) // data.train_batch_size
-    total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
+    train_prompts, dropped, val_prompts, total_steps = [], 0, [], 0
+    if not recipe.sft.only:
+        train_prompts, dropped = load_prompts(resolve_path(data.train_path), tokenizer, data.prompt_key,
+                                              data.answer_key, data.chat_template, data.max_prompt_length)
+        val_prompts = load_prompts(resolve_path(data.val_path), tokenizer, data.prompt_key, data.answer_key,
+                                   data.chat_template, data.max_prompt_length)[0] if data.val_path else []
+        val_prompts = val_prompts[:data.val_size] if data.val_size else val_prompts
+        per_epoch = len(train_prompts) // data.train_batch_size
+        total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
     scorer = RewardScorer(recipe.reward.function, recipe.reward.kwargs, recipe.reward.timeout_s,
                           recipe.reward.failure_score, recipe.reward.workers) if recipe.reward.function else None
     resume = checkpoints.resume_from(run_dir, recipe.trainer.resume)
@@ -180,6 +183,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
                 group = cluster.worker_group("init", model, recipe.actor.parallel)
                 group.call("export_hf", str(init_hf), hf_config, tokenizer_dir)
                 group.shutdown()
+        if recipe.sft.only:
+            return logger.last
         addresses = cluster.start_engines(str(init_hf), run_dir / "logs")
         actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
         actor.call("load_hf", str(init_hf))

@@ -36,7 +36,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
-    train_path: str = ""  # jsonl or parquet with one prompt per row
+    train_path: str = ""  # jsonl or parquet with one prompt per row (required unless sft.only)
     val_path: str = ""
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # passed to the reward function as the ground truth
@@ -48,8 +48,6 @@ class DataSection:
     shuffle: bool = True  # reshuffled every epoch from trainer.seed and the epoch
 
     def __post_init__(self):
-        if not self.train_path:
-            raise ConfigError("train_path: required")
         for name in ("max_prompt_length", "max_response_length", "train_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -162,6 +160,7 @@ class SFTSection:
     checkpoint yet (the warm start)."""
 
     data_path: str = ""  # jsonl/parquet with prompt_key and response_key; empty = no SFT stage
+    only: bool = False  # an SFT job: stop after the SFT stage (its model is <output_dir>/init_hf)
     response_key: str = "response"
     steps: int = 0
     batch_size: int = 32  # sequences per step
@@ -171,6 +170,8 @@ class SFTSection:
     def __post_init__(self):
         if self.data_path and self.steps < 1:
             raise ConfigError(f"steps: must be >= 1 with sft.data_path set, got {self.steps}")
+        if self.only and not self.data_path:
+            raise ConfigError("only: an SFT-only job needs sft.data_path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +329,8 @@ def _mini_batch(section: TrainSection, recipe: Recipe, role: str, world: int) ->
 
 def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> Plan:
     """Checks every cross-field rule and returns the plan. Raises ConfigError naming the fields and numbers."""
+    if not recipe.data.train_path and not recipe.sft.only:
+        raise ConfigError("data.train_path: required (unless sft.only)")
     res = recipe.resources
     if cuda is None:
         import torch
