@@ -10,15 +10,17 @@ import pytest
 import torch
 
 
-def write_tiny_qwen2(out: Path, seed: int = 0, layers: int = 2) -> Path:
-    """A random Qwen2-family model (GQA, qkv bias), far from init so that layout mistakes show; fp32."""
+def write_tiny_qwen2(out: Path, seed: int = 0, layers: int = 2, reward_labels: int | None = None) -> Path:
+    """A random Qwen2-family model (GQA, qkv bias), far from init so that layout mistakes show; fp32. With
+    `reward_labels`, a sequence-classification model (a reward model when 1 label)."""
     import transformers as T
 
     config = T.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
-                           rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+                           rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+                           num_labels=reward_labels or 2, pad_token_id=0)
     torch.manual_seed(seed)
-    model = T.Qwen2ForCausalLM(config)
+    model = T.Qwen2ForSequenceClassification(config) if reward_labels else T.Qwen2ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))

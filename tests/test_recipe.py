@@ -105,14 +105,26 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides, message", BAD, ids=[m.split(":")[0] for _, m in BAD])
-def test_malformed_recipe_fails_before_start(overrides, message, tmp_path):
+def test_malformed_recipe_fails_before_start(overrides, message, tmp_path, capsys):
     """Exit code 2, one line naming the field, and nothing started (no output directory, no Ray session)."""
+    import ray
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from launch import main
+
     out = tmp_path / "run"
-    result = _launch(str(QUICKSTART), f"trainer.output_dir={out}", *overrides)
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
-    assert not out.exists()
+    assert main([str(QUICKSTART), f"trainer.output_dir={out}", *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert not out.exists() and not ray.is_initialized()
+
+
+def test_launch_cli_exit_code(tmp_path):
+    """The same through the command line: exit status 2 and the one line on stderr."""
+    result = _launch(str(QUICKSTART), f"trainer.output_dir={tmp_path / 'run'}", "actor.optim.lrr=1")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "error: actor.optim.lrr: unknown key (known: betas, clip_grad, eps, lr, lr_decay_steps, lr_decay_style, "
+        "lr_warmup_steps, min_lr, use_distributed_optimizer, weight_decay)")
 
 
 def test_recipe_file_errors(tmp_path):

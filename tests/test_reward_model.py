@@ -14,18 +14,9 @@ SEQS = [[5, 9, 17, 33, 2], [7, 7, 8], [100, 3, 200, 4, 5, 6, 7, 8, 9]]
 
 
 def write_reward_model(out: Path, num_labels: int = 1) -> Path:
-    import transformers as T
+    from tests.conftest import write_tiny_qwen2
 
-    config = T.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
-                           num_labels=num_labels, pad_token_id=0, tie_word_embeddings=False)
-    torch.manual_seed(1)
-    model = T.Qwen2ForSequenceClassification(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    model.save_pretrained(out)
-    return out
+    return write_tiny_qwen2(out, seed=1, reward_labels=num_labels)
 
 
 def _scores(model_dir: str, tp: int) -> list[float]:

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value")
     parser.add_argument("--dry-run", action="store_true", help="print the resolved recipe, plan and placement")
     parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or local)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come before, between or after the overrides
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         model = model_config(recipe)

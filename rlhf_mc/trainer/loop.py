@@ -171,6 +171,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
                            recipe.trainer.project, recipe.trainer.experiment)
     cluster = Cluster(recipe, plan, address)
     try:
+        nodes = cluster.bundle_nodes()
+        (run_dir / "placement.json").write_text(json.dumps(
+            [{**row, "bundle": i, "ray_node": nodes[i]} for i, row in enumerate(plan.placement)], indent=1))
         # The initial weights, as an HF checkpoint the engines start from (and the reference, when used).
         hf_config = _hf_config(recipe, model, tokenizer)
         init_hf = run_dir / "init_hf"

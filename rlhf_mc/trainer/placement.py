@@ -50,8 +50,7 @@ class WorkerGroup:
         master = ray.get(ray.remote(node_address).options(
             num_cpus=0, scheduling_strategy=strategy(bundles[0])).remote())
         world = len(bundles)
-        self.name = name
-        self.workers = [remote(name=None, num_cpus=share, num_gpus=share if gpu else 0,
+        self.workers = [remote(name=f"{name}-rank{rank}", num_cpus=share, num_gpus=share if gpu else 0,
                                scheduling_strategy=strategy(b)).remote(
             rank, world, master, model, parallel, dtype, seed, recompute, value_head)
             for rank, b in enumerate(bundles)]
@@ -115,6 +114,13 @@ class Cluster:
         ray.get(self.pg.ready(), timeout=600)
         self.train_bundles = list(range(plan.actor_world))
         self.engines: list = []
+
+    def bundle_nodes(self) -> dict[int, str]:
+        """The Ray node id of each bundle (device), as placed."""
+        import ray
+
+        table = ray.util.placement_group_table(self.pg)
+        return {int(b): node for b, node in table["bundles_to_node_id"].items()}
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
                      recompute: str = "none") -> WorkerGroup:

@@ -40,11 +40,11 @@ class ModelWorker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         init_distributed()
         init_parallel(parallel, seed=seed)
-        self.model, self.parallel, self.rank = model, parallel, rank
+        self.model, self.rank = model, rank
         self.chunks = build_model(model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
         self.state = None  # TrainState once an optimizer is set up
         self.reference = None  # HostReference of the actor
-        self.sync_ = None
+        self.weight_sync = None
 
     # ------------------------------------------------------------ weights, optimizer, checkpoints
 
@@ -172,10 +172,10 @@ class ModelWorker:
         if torch.distributed.get_rank() == 0:
             engine = SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
         master = node_address()[0] if transport == "distributed" else "127.0.0.1"
-        self.sync_ = WeightSync(self.chunks, self.model, engine, transport, bucket_bytes, master_address=master)
+        self.weight_sync = WeightSync(self.chunks, self.model, engine, transport, bucket_bytes, master_address=master)
 
     def sync(self, version: int) -> dict | None:
-        stats = self.sync_.sync(self.chunks, version)
+        stats = self.weight_sync.sync(self.chunks, version)
         return None if stats is None else {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes,
                                            "sync/peak_extra_mb": stats.peak_extra_mb}
 
