@@ -237,6 +237,7 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
                               max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
+    critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
     metrics: dict = {}
     if val_prompts and step == 0:
         logger.log(0, validate(recipe, cluster, tokenizer, rewards, val_prompts))
@@ -282,7 +283,7 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
             critic_metrics = {}
             if critic:
                 with timer("update_critic"):
-                    critic_metrics = critic.call("update", "critic", seqs, starts, per_token, mini_batches,
+                    critic_metrics = critic.call("update", "critic", seqs, starts, per_token, critic_mini_batches,
                                                  recipe.critic.ppo_epochs, loss_cfg,
                                                  micro_batch_tokens=recipe.critic.micro_batch_tokens,
                                                  value_clip=recipe.critic.value_clip)[-1]

@@ -140,11 +140,11 @@ class ModelWorker:
         optimizer steps."""
         from rlhf_mc.workers.train import critic_train_step, sft_step, train_step
 
-        size = len(sequences) // mini_batches
+        n = len(sequences)
         totals: dict[str, float] = {}
         for _ in range(epochs):
             for m in range(mini_batches):
-                index = list(range(m * size, (m + 1) * size))
+                index = list(range(m * n // mini_batches, (m + 1) * n // mini_batches))
                 sub = [sequences[i] for i in index]
                 mine = [index[i] for i in self._share(sub)]
                 seqs, st = [torch.tensor(sequences[i]) for i in mine], [starts[i] for i in mine]
