@@ -34,9 +34,10 @@ def digits_right(response: str, answer: str, prompt: str) -> float:
     return sum(a == b for a, b in zip(response, answer)) / len(answer)
 
 
-def _start(out: Path) -> subprocess.Popen:
+def _start(out: Path, args: list[str] = ARGS) -> subprocess.Popen:
+    """The launcher writing to <out>.log (not to a pipe, which a process left behind would hold open)."""
     log = open(out.with_suffix(".log"), "ab")
-    return subprocess.Popen([sys.executable, "tools/launch.py", *ARGS, f"trainer.output_dir={out}"], cwd=REPO,
+    return subprocess.Popen([sys.executable, "tools/launch.py", *args, f"trainer.output_dir={out}"], cwd=REPO,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -109,14 +110,11 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
 
     out = tmp_path / "ppo"
     rm = write_reward_model(tmp_path / "rm")
-    result = subprocess.run(
-        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.steps=10",
-         "trainer.total_steps=2", "trainer.save_interval=1", "data.train_batch_size=8", "rollout.n=2",
-         "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3", "algorithm.estimator=gae",
-         "algorithm.kl_in_reward_coef=0.01", "ref.placement=separate", "critic.optim.lr=1e-4",
-         "critic.micro_batch_tokens=4096", f"reward.model={rm}", "data.val_path=", "trainer.loggers=[jsonl]"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "trainer.total_steps=2", "trainer.save_interval=1",
+                         "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3",
+                         "algorithm.estimator=gae", "algorithm.kl_in_reward_coef=0.01", "ref.placement=separate",
+                         "critic.optim.lr=1e-4", "critic.micro_batch_tokens=4096", f"reward.model={rm}",
+                         "data.val_path=", "trainer.loggers=[jsonl]"]), out)
     steps = _metrics(out)
     for metrics in steps.values():
         assert {"critic/value_loss", "critic/grad_norm", "actor/kl_ref", "reward/model_mean"} <= metrics.keys()

@@ -18,7 +18,6 @@ import json
 import logging
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
@@ -72,7 +71,7 @@ class SGLangEngine:
         self._inflight = [0] * len(self.urls)
         self._restarts = [0] * len(self.urls)
         self._restart_locks = [threading.Lock() for _ in self.urls]
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # guards _inflight; notified when a request ends
         self._session = requests.Session()
         self._session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=cfg.max_concurrency + 8))
         self._closed = False
@@ -132,6 +131,7 @@ class SGLangEngine:
             finally:
                 with self._lock:
                     self._inflight[engine] -= 1
+                    self._lock.notify_all()
         raise EngineDown(f"request failed {self.cfg.max_restarts + 2} times")
 
     def _healthy(self, engine: int) -> bool:
@@ -325,16 +325,16 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- phases
 
-    def _all(self, path: str, payload: dict | None = None, retries: int = 0) -> None:
+    def _all(self, path: str, payload: dict | None = None) -> None:
         for engine in range(len(self.urls)):
-            for attempt in range(retries + 1):
-                try:
-                    self._call(engine, "POST", path, payload)
-                    break
-                except RuntimeError:
-                    if attempt == retries:
-                        raise
-                    time.sleep(0.5)
+            try:
+                self._call(engine, "POST", path, payload)
+            except requests.ConnectionError as error:
+                server = self.servers[engine]
+                if server is None:
+                    raise
+                raise EngineDown(f"engine {engine} failed {path} ({error}); log tail ({server.log_path}):\n"
+                                 f"{server.log_tail()}") from error
 
     def pause(self) -> None:
         self._all("/pause_generation", {})
@@ -346,11 +346,16 @@ class SGLangEngine:
         self._all("/flush_cache")
 
     def release_memory(self) -> None:
-        # Right after an update the scheduler can still be busy and refuses ("not idle"): retry briefly.
-        self._all("/release_memory_occupation", {}, retries=20)
+        # SGLang's scheduler asserts that it is idle on a release and dies if not. So: wait for the requests in
+        # flight through this client, then for the scheduler to retire their batch (the last answers can reach us
+        # before it has): /flush_cache with a timeout answers once it is idle, and flushes, as a release does.
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._inflight))
+        self._all(f"/flush_cache?timeout={self.cfg.request_timeout_s}")
+        self._all("/release_memory_occupation", {})
 
     def resume_memory(self) -> None:
-        self._all("/resume_memory_occupation", {}, retries=20)
+        self._all("/resume_memory_occupation", {})
 
     def healthy(self) -> bool:
         return all(self._healthy(engine) for engine in range(len(self.urls)))
