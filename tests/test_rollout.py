@@ -7,9 +7,13 @@ The tests share one engine (conftest.py); a test that changes the weights restor
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -201,3 +205,27 @@ def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_
     for prompt, sample in zip(prompts[:2], result["samples"][:2]):
         assert sample.response_ids == _greedy(model, prompt, 200)
     assert len(result["samples"]) == len(prompts) and engine.healthy()
+
+
+def test_server_children_outlive_the_starting_thread_and_die_with_the_process():
+    """A server restarted from a request thread must not die when that thread ends, and must die (SIGKILL) with the
+    process that owns it, as one started from the main thread does."""
+    code = ("import threading, time\nfrom rlhf_mc.rollout.sglang_server import start_child\nout = []\n"
+            "t = threading.Thread(target=lambda: out.append(start_child(['sleep', '300'])))\nt.start()\nt.join()\n"
+            "print(out[0].pid, flush=True)\ntime.sleep(300)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    child = psutil.Process(int(owner.stdout.readline()))
+    time.sleep(1)
+    assert child.status() != psutil.STATUS_ZOMBIE, "the child died with the thread that started it"
+    owner.kill()
+    owner.wait()
+    deadline = time.time() + 10
+    while True:
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:  # dead; its new parent may not reap it
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.time() < deadline, "the child outlived its owner"
+        time.sleep(0.1)

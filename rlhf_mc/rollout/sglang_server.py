@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import psutil
@@ -18,12 +20,43 @@ from rlhf_mc.rollout import cpu
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the process that launched it dies (even by SIGKILL, e.g. a Ray
-    actor killed with its job), so no server outlives its owner. SGLang's own subprocesses follow their parent."""
+    """In the child before exec: SIGKILL when the thread that forked it ends (PR_SET_PDEATHSIG follows the thread,
+    not the process). Children are forked by _SPAWNER, which lives as long as this process: so a server dies
+    with its owner, even one killed by SIGKILL (a Ray actor killed with its job). SGLang's own subprocesses follow
+    their parent."""
     if sys.platform == "linux":
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# One daemon thread forks every child, so that a restart asked for from a short-lived request thread does not give the
+# new server a parent-death signal that fires when that thread ends. A daemon: it outlives the atexit handlers that
+# stop servers gracefully (an executor's thread would end first, SIGKILLing them).
+_JOBS: queue.SimpleQueue = queue.SimpleQueue()
+_SPAWNER: threading.Thread | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _fork_forever() -> None:
+    while True:
+        future, cmd, popen_kwargs = _JOBS.get()
+        try:
+            future.set_result(subprocess.Popen(cmd, **popen_kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            future.set_exception(error)
+
+
+def start_child(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen(cmd, ...) in its own session, killed when this process dies."""
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or not _SPAWNER.is_alive():  # not alive: in a forked child
+            _SPAWNER = threading.Thread(target=_fork_forever, name="rlhf_mc-spawner", daemon=True)
+            _SPAWNER.start()
+    future: Future = Future()
+    _JOBS.put((future, cmd, {**popen_kwargs, "start_new_session": True, "preexec_fn": _die_with_parent}))
+    return future.result()
 
 
 class ServerProcess:
@@ -58,11 +91,7 @@ class ServerProcess:
         env = cpu.server_env(dict(os.environ), self.cfg.tp) if cpu.on_cpu() else dict(os.environ)
         with open(self.log_path, "ab") as log:
             # Own session: the server and its scheduler processes form one process group we can signal whole.
-            # The parent-death signal fires when the launching *thread* ends: only servers started from the main
-            # thread get it (a restart from a request thread does not).
-            main = threading.current_thread() is threading.main_thread()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent if main else None)
+            self.proc = start_child(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
