@@ -215,11 +215,13 @@ def test_server_children_outlive_the_starting_thread_and_die_with_the_process():
             "print(out[0].pid, flush=True)\ntime.sleep(300)")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                              cwd=Path(__file__).resolve().parents[1])
-    child = psutil.Process(int(owner.stdout.readline()))
-    time.sleep(1)
-    assert child.status() != psutil.STATUS_ZOMBIE, "the child died with the thread that started it"
-    owner.kill()
-    owner.wait()
+    try:
+        child = psutil.Process(int(owner.stdout.readline()))
+        time.sleep(1)
+        assert child.status() != psutil.STATUS_ZOMBIE, "the child died with the thread that started it"
+    finally:
+        owner.kill()
+        owner.wait()
     deadline = time.time() + 10
     while True:
         try:
