@@ -95,6 +95,7 @@ BAD = [
     (["rollout.temperature=0.0", "rollout.engine.tpp=2"], "rollout.engine.tpp: unknown key"),
     (["algorithm.estimator=ppo"], "algorithm.estimator: 'ppo' is not one of"),
     (["actor.loss.dual_clip=0.5"], "actor.loss.dual_clip: must be > 1, got 0.5"),
+    (["ref.offload=true"], "ref.offload: the host reference lives in host memory already"),
     (["model.config=model_configs/none.yaml"], "model.config: file not found"),
     (["data.max_response_length=100"], "exceed the model's max_position_embeddings=64"),
     (["reward.function=no_such"], "reward.function: 'no_such' is neither a built-in"),

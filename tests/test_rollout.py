@@ -164,19 +164,24 @@ def test_failed_update_leaves_a_working_engine(sglang_engine, tiny_hf_model, res
     _assert_greedy_matches(sglang_engine, _hf(tiny_hf_model), LAUNCH_VERSION)
 
 
+def _generating(engine, n_prompts: int) -> tuple[threading.Thread, dict, list]:
+    """A greedy batch of 200-token responses generating in a thread (result["samples"] when it ends), started."""
+    prompts = [[i % 200 + 3, 7, 9] for i in range(n_prompts)]
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        samples=engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=200))))
+    worker.start()
+    while engine._inflight[0] == 0:
+        time.sleep(0.01)
+    return worker, result, prompts
+
 
 def test_release_while_generating_waits_for_idle_and_resume_restores(sglang_engine, tiny_hf_model):
     """SGLang's scheduler dies on a release that finds it busy; release_memory waits for the batch in flight to
     finish, and after resume_memory the engine answers as before (weights and KV cache back)."""
     engine = sglang_engine
     restarts = engine.stats["engine_restarts"]
-    prompts = [[i % 200 + 3, 7, 9] for i in range(16)]
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        samples=engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=200))))
-    worker.start()
-    while engine._inflight[0] == 0:
-        time.sleep(0.01)
+    worker, result, prompts = _generating(engine, 16)
     assert worker.is_alive(), "the batch finished before the release: make it longer"
     engine.release_memory()
     worker.join(timeout=60)
@@ -185,16 +190,11 @@ def test_release_while_generating_waits_for_idle_and_resume_restores(sglang_engi
     assert engine.stats["engine_restarts"] == restarts and engine.healthy()
     _assert_greedy_matches(engine, _hf(tiny_hf_model), LAUNCH_VERSION)
 
+
 def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_hf_model):
     engine = sglang_engine
     restarts = engine.stats["engine_restarts"]
-    prompts = [[i % 200 + 3, 7, 9] for i in range(32)]
-    result = {}
-    worker = threading.Thread(target=lambda: result.update(
-        samples=engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=200))))
-    worker.start()
-    while engine._inflight[0] == 0:
-        time.sleep(0.01)
+    worker, result, prompts = _generating(engine, 32)
     time.sleep(0.5)
     assert worker.is_alive(), "the batch finished before the kill: make it longer"
     engine.servers[0].proc.kill()  # the server's main process; its schedulers follow

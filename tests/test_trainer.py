@@ -105,7 +105,8 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
 
 def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
     """PPO (GAE with a critic, KL in the reward), the reference in its own worker group, a learned reward model
-    added to the rule: two steps run; at step 1 the reference equals the actor (KL 0), at step 2 it does not."""
+    added to the rule, actor, critic and reference offloaded during rollouts: two steps run; at step 1 the reference
+    equals the (reloaded) actor (KL 0), at step 2 it does not."""
     from tests.test_reward_model import write_reward_model
 
     out = tmp_path / "ppo"
@@ -113,6 +114,7 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "trainer.total_steps=2", "trainer.save_interval=1",
                          "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3",
                          "algorithm.estimator=gae", "algorithm.kl_in_reward_coef=0.01", "ref.placement=separate",
+                         "actor.offload=true", "critic.offload=true", "ref.offload=true",
                          "critic.optim.lr=1e-4", "critic.micro_batch_tokens=4096", f"reward.model={rm}",
                          "data.val_path=", "trainer.loggers=[jsonl]"]), out)
     steps = _metrics(out)
@@ -120,6 +122,8 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
         assert {"critic/value_loss", "critic/grad_norm", "actor/kl_ref", "reward/model_mean"} <= metrics.keys()
         assert metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
     assert abs(steps[1]["actor/kl_ref"]) < 1e-6 and abs(steps[2]["actor/kl_ref"]) > 1e-6
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum("timing/offload_s" in r and "timing/reload_s" in r for r in records) == 2
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step_000001", "step_000001_critic", "step_000002", "step_000002_critic"]
 

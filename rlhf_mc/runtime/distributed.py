@@ -17,8 +17,10 @@ import torch.distributed as dist
 from rlhf_mc.config import ParallelConfig
 
 
-def init_distributed(timeout_minutes: float = 30.0, skip_cpu_shims: tuple[str, ...] = ()) -> None:
-    """Joins the default process group from torchrun-style environment variables (idempotent).
+def init_distributed(timeout_minutes: float = 30.0, skip_cpu_shims: tuple[str, ...] = (),
+                     store: dist.Store | None = None) -> None:
+    """Joins the default process group from torchrun-style environment variables (idempotent); with `store`, rank 0
+    rendezvouses through that store (already bound) instead of binding MASTER_PORT.
 
     `skip_cpu_shims` is for the tests that show what each shim fixes."""
     if dist.is_initialized():
@@ -31,7 +33,12 @@ def init_distributed(timeout_minutes: float = 30.0, skip_cpu_shims: tuple[str, .
 
         cpu.apply_megatron_shims(skip=skip_cpu_shims)
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:

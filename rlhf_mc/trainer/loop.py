@@ -238,6 +238,9 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
+    # Colocated: the training state leaves the devices while the engines generate (engines release theirs after).
+    offloaded = [group for group, on in ((actor, recipe.actor.offload), (critic, recipe.critic.offload),
+                                         (reference, recipe.ref.offload)) if group and on]
     metrics: dict = {}
     if val_prompts and step == 0:
         logger.log(0, validate(recipe, cluster, tokenizer, rewards, val_prompts))
@@ -246,10 +249,18 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
         with timer("step"):
             epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
             prompts = [train_prompts[i] for i in rows]
+            if offloaded:
+                with timer("offload"):
+                    for group in offloaded:
+                        group.call("offload")
             with timer("rollout"):
                 samples, texts = rollout(cluster, tokenizer, prompts, sampling)
             check_versions(samples, step)
             cluster.engines_call("release_memory")
+            if offloaded:
+                with timer("reload"):
+                    for group in offloaded:
+                        group.call("reload")
             kept = [i for i, s in enumerate(samples) if s.response_ids]  # prompts over the context get none
             samples, texts = [samples[i] for i in kept], [texts[i] for i in kept]
             with timer("reward"):

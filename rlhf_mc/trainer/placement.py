@@ -38,7 +38,7 @@ class WorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlhf_mc.trainer.worker import ModelWorker, node_address
+        from rlhf_mc.trainer.worker import ModelWorker
 
         def strategy(bundle: int):
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
@@ -47,14 +47,13 @@ class WorkerGroup:
         # takes a small fraction of its device, so that all fit.
         share = 0.1
         remote = ray.remote(ModelWorker).options
-        master = ray.get(ray.remote(node_address).options(
-            num_cpus=0, scheduling_strategy=strategy(bundles[0])).remote())
         world = len(bundles)
         self.workers = [remote(name=f"{name}-rank{rank}", num_cpus=share, num_gpus=share if gpu else 0,
                                scheduling_strategy=strategy(b)).remote(
-            rank, world, master, model, parallel, dtype, seed, recompute, value_head)
+            rank, world, model, parallel, dtype, seed, recompute, value_head)
             for rank, b in enumerate(bundles)]
-        ray.get([w.ping.remote() for w in self.workers])
+        master = ray.get(self.workers[0].store_address.remote())
+        self.call("start", master)
 
     def call(self, method: str, *args, **kwargs) -> list:
         import ray

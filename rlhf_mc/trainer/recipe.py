@@ -105,6 +105,8 @@ class TrainSection:
     ppo_epochs: int = 1
     micro_batch_tokens: int = 8192  # token budget of one packed micro-batch per device
     recompute: Literal["none", "selective", "full"] = "none"  # activation recompute
+    # parameters, gradients and optimizer state in host memory while the engines generate (colocated placement)
+    offload: bool = False
     loss: PolicyLossSection = dataclasses.field(default_factory=PolicyLossSection)  # actor only
     value_clip: float = 0.2  # critic only
 
@@ -122,6 +124,12 @@ class RefSection:
     # devices); separate: its own worker group (parallel below)
     placement: Literal["host", "separate"] = "host"
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    offload: bool = False  # separate: its weights in host memory while the engines generate
+
+    def __post_init__(self):
+        if self.offload and self.placement == "host":
+            raise ConfigError("offload: the host reference lives in host memory already; offload needs "
+                              "placement=separate")
 
 
 @dataclasses.dataclass(frozen=True)

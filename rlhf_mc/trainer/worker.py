@@ -15,36 +15,52 @@ import torch
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
 
 
-def node_address() -> tuple[str, int]:
-    """This node's IP (as Ray sees it) and a free port: the rendezvous of a group's rank 0."""
+def node_ip() -> str:
+    """This node's IP as Ray sees it (outside Ray: the host name's)."""
     import ray
 
-    from rlhf_mc.runtime.spawn import free_port
-
     try:
-        ip = ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray
-        ip = socket.gethostbyname(socket.gethostname())
-    return ip, free_port()
+        return socket.gethostbyname(socket.gethostname())
 
 
 class ModelWorker:
-    def __init__(self, rank: int, world: int, master: tuple[str, int], model: ModelConfig, parallel: ParallelConfig,
-                 dtype: str, seed: int, recompute: str = "none", value_head: bool = False):
-        from rlhf_mc.models.gpt import build_model
-        from rlhf_mc.runtime import init_distributed, init_parallel
+    """Created on every rank, then `start`ed with rank 0's `store_address()`: rank 0 binds the rendezvous store on a
+    port the system picks, so no other process can take the port between its choice and its use (a free port chosen
+    ahead and bound later can be: any outgoing connection may get it as its local port)."""
 
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR=master[0],
-                          MASTER_PORT=str(master[1]))
-        if not torch.cuda.is_available():  # CPU ranks share the machine's cores (Ray sets OMP_NUM_THREADS=1)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        init_distributed()
-        init_parallel(parallel, seed=seed)
-        self.model, self.rank = model, rank
-        self.chunks = build_model(model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
+    def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
+                 recompute: str = "none", value_head: bool = False):
+        import datetime
+
+        self.rank, self.world, self.model = rank, world, model
+        self._build = (parallel, dtype, seed, recompute, value_head)
+        self._store = None
+        if rank == 0:
+            self._store = torch.distributed.TCPStore(node_ip(), 0, world, is_master=True, wait_for_workers=False,
+                                                     timeout=datetime.timedelta(minutes=30))
         self.state = None  # TrainState once an optimizer is set up
         self.reference = None  # HostReference of the actor
         self.weight_sync = None
+        self.offloaded = None  # runtime.offload.Offloaded while the training state is in host memory
+
+    def store_address(self) -> tuple[str, int]:
+        return node_ip(), self._store.port
+
+    def start(self, master: tuple[str, int]) -> None:
+        """Joins the group's process group and builds this rank's model chunks."""
+        from rlhf_mc.models.gpt import build_model
+        from rlhf_mc.runtime import init_distributed, init_parallel
+
+        parallel, dtype, seed, recompute, value_head = self._build
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=master[0],
+                          MASTER_PORT=str(master[1]))
+        if not torch.cuda.is_available():  # CPU ranks share the machine's cores (Ray sets OMP_NUM_THREADS=1)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+        init_distributed(store=self._store)
+        init_parallel(parallel, seed=seed)
+        self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
 
     # ------------------------------------------------------------ weights, optimizer, checkpoints
 
@@ -97,6 +113,18 @@ class ModelWorker:
         from rlhf_mc.bridge.convert import write_hf_export
 
         write_hf_export(self.chunks, self.model, path, config, Path(tokenizer_dir) if tokenizer_dir else None)
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to host memory (while the engines generate)."""
+        from rlhf_mc.runtime.offload import offload, training_tensors
+
+        self.offloaded = offload(training_tensors(self.chunks, self.state.optimizer if self.state else None))
+
+    def reload(self) -> None:
+        from rlhf_mc.runtime.offload import reload
+
+        reload(self.offloaded)
+        self.offloaded = None
 
     # ------------------------------------------------------------ data-parallel shares
 
@@ -171,13 +199,10 @@ class ModelWorker:
         engine = None
         if torch.distributed.get_rank() == 0:
             engine = SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
-        master = node_address()[0] if transport == "distributed" else "127.0.0.1"
+        master = node_ip() if transport == "distributed" else "127.0.0.1"
         self.weight_sync = WeightSync(self.chunks, self.model, engine, transport, bucket_bytes, master_address=master)
 
     def sync(self, version: int) -> dict | None:
         stats = self.weight_sync.sync(self.chunks, version)
         return None if stats is None else {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes,
                                            "sync/peak_extra_mb": stats.peak_extra_mb}
-
-    def ping(self) -> int:
-        return self.rank
