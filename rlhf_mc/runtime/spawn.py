@@ -8,8 +8,9 @@ killed, so nothing lingers.
 from __future__ import annotations
 
 import os
-import time
+import random
 import socket
+import time
 import tempfile
 import traceback
 from pathlib import Path
@@ -19,9 +20,29 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free now, for a server that binds it a little later. Not from the kernel's range for outgoing
+    connections (any connection may take such a port as its local one before the server binds: seen in CI as
+    EADDRINUSE), nor from Ray's worker ports (10002-19999): a random free one in between, else any free one."""
+    low, high = 20000, _ephemeral_low() - 1
+    pick = random.SystemRandom()  # not the seeded module RNG: processes seeded alike would all pick the same ports
+    for _ in range(64 if high - low >= 1000 else 0):
+        port = pick.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
