@@ -1,6 +1,6 @@
 """Offloading the training state (runtime/offload.py) between two actor train steps at DP=2 with the distributed
-optimizer: while offloaded, parameters, gradient buffers and Adam's moments hold no memory; after the reload the
-second step gives exactly the weights of two steps without offloading."""
+optimizer: while offloaded, parameters, gradient buffers and Adam's moments hold no memory; after two offloads (the
+second into the first's host buffers) the second step gives exactly the weights of two steps without offloading."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
             saved = offload(training_tensors(chunks, state.optimizer))
             out["bytes_offloaded"] = sum(t.untyped_storage().nbytes() for t in expected)
             reload(saved)
+            again = offload(training_tensors(chunks, state.optimizer), reuse=saved)  # as every later step does
+            out["host_buffers_reused"] = all(a[1] is b[1] for a, b in zip(saved, again)) and len(saved) == len(again)
+            reload(again)
     out["weights"] = [p.detach().clone() for p in chunks[0].parameters()]
     return out
 
@@ -56,5 +59,6 @@ def test_offload_frees_the_training_state_and_the_next_step_is_unchanged(tmp_pat
         assert b["moments"] > 0, "no Adam state yet: the test would not cover it"
         param_bytes = sum(w.numel() * w.element_size() for w in b["weights"])
         assert b["bytes_before"] > 2 * param_bytes and b["bytes_offloaded"] == 0
+        assert b["host_buffers_reused"]
         assert a["grad_norm1"] == b["grad_norm1"]
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))

@@ -43,7 +43,7 @@ class ModelWorker:
         self.state = None  # TrainState once an optimizer is set up
         self.reference = None  # HostReference of the actor
         self.weight_sync = None
-        self.offloaded = None  # runtime.offload.Offloaded while the training state is in host memory
+        self.host_copy = []  # runtime.offload.Offloaded: host buffers of the training state, kept for reuse
 
     def store_address(self) -> tuple[str, int]:
         return node_ip(), self._store.port
@@ -118,13 +118,13 @@ class ModelWorker:
         """Parameters, gradients and optimizer state to host memory (while the engines generate)."""
         from rlhf_mc.runtime.offload import offload, training_tensors
 
-        self.offloaded = offload(training_tensors(self.chunks, self.state.optimizer if self.state else None))
+        self.host_copy = offload(training_tensors(self.chunks, self.state.optimizer if self.state else None),
+                                 reuse=self.host_copy)
 
     def reload(self) -> None:
         from rlhf_mc.runtime.offload import reload
 
-        reload(self.offloaded)
-        self.offloaded = None
+        reload(self.host_copy)
 
     # ------------------------------------------------------------ data-parallel shares
 
