@@ -30,6 +30,7 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int) -> 
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync
 
     parallel = ParallelConfig(tp=2)
@@ -38,10 +39,10 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int) -> 
     chunks = build_model(model, parallel, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     rank0 = torch.distributed.get_rank() == 0
-    engine = SGLangEngine(RolloutConfig(addresses=(address,))) if rank0 else None
+    transport = connect("tensor", [address], engine_ranks=[[0]])
     rows, version = [], 0
     for mb in buckets_mb:
-        sync = WeightSync(chunks, model, engine, "tensor", bucket_bytes=mb * 2**20)
+        sync = WeightSync(chunks, model, transport, bucket_bytes=mb * 2**20)
         runs = []
         for _ in range(repeats):
             version += 1

@@ -141,13 +141,8 @@ def test_update_from_distributed(sglang_engine, new_weights, restore_launch_weig
     model = _hf(new_weights)
     group = sglang_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
     tensors = list(model.state_dict().items())
-
-    def broadcast():
-        for _, tensor in tensors:
-            dist.broadcast(tensor.contiguous(), src=0, group=group)
-
-    sglang_engine.update_weights_from_distributed([(n, t.dtype, tuple(t.shape)) for n, t in tensors], broadcast,
-                                                  version=4)
+    sglang_engine.update_weights_from_distributed([tensors[:10], tensors[10:]],  # two buckets
+                                                  lambda flat: dist.broadcast(flat, src=0, group=group), version=4)
     _assert_greedy_matches(sglang_engine, model, 4)
 
 

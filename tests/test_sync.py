@@ -1,9 +1,18 @@
 """Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, after optimizer steps that change
-the weights of every pipeline stage: each time, the engine's log-probs equal the actor's (1e-4, fp32) and its
+the weights of every pipeline stage: each time, each engine's log-probs equal the actor's (1e-4, fp32) and its
 samples carry the new version; at the end its greedy output equals transformers' on the actor's exported weights.
-Ten more syncs show no memory growth."""
+Ten more syncs show no memory growth.
+
+Colocated ("tensor"): each engine TP rank's payload must come from the trainer rank assigned to its device. On CPU
+a payload names the shared-memory file it refers to, and torch names those files after the process that made them
+(/torch_<pid>_...): the test reads the producer of every payload an engine received from the payload itself."""
 
 from __future__ import annotations
+
+import base64
+import os
+import pickletools
+import re
 
 import pytest
 import torch
@@ -17,7 +26,16 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200, 3]]
 STEPS, REPEATS = 3, 10
 
 
-def _actor(model_dir: str, address: str, transport: str, export_dir: str) -> dict | None:
+def payload_producer(serialized: str) -> int:
+    """The pid of the process whose shared memory a CPU payload refers to."""
+    strings = [arg for _, arg, _ in pickletools.genops(base64.b64decode(serialized)) if isinstance(arg, bytes)]
+    pids = {int(m.group(1)) for s in strings for m in [re.match(rb"/torch_(\d+)_", s)] if m}
+    assert len(pids) == 1, strings
+    return pids.pop()
+
+
+def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str) -> dict | None:
+    """`engines`: (address, the trainer ranks on its devices) each."""
     import psutil
 
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
@@ -28,19 +46,31 @@ def _actor(model_dir: str, address: str, transport: str, export_dir: str) -> dic
     from rlhf_mc.optim import setup_training
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
     from rlhf_mc.workers.policy import compute_log_prob
     from rlhf_mc.workers.train import PolicyLossConfig, train_step
 
+    received: list[tuple[int, list[int]]] = []  # (engine, producer pid per TP rank) per bucket this rank posted
+    load = SGLangEngine.load_tensor_payloads
+
+    def recording(self, engine, payloads):
+        received.append((addresses.index(self.urls[engine].removeprefix("http://")),
+                         [payload_producer(p) for p in payloads]))
+        return load(self, engine, payloads)
+
+    SGLangEngine.load_tensor_payloads = recording
     parallel = ParallelConfig(tp=2, pp=2)
     init_parallel(parallel, seed=3)
     model = model_config_from_hf(read_hf_config(model_dir))
     chunks = build_model(model, parallel, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     state = setup_training(chunks, OptimizerConfig(lr=2e-2, weight_decay=0.0))
-    rank0 = torch.distributed.get_rank() == 0
-    engine = SGLangEngine(RolloutConfig(addresses=(address,))) if rank0 else None
-    sync = WeightSync(chunks, model, engine, transport, bucket_bytes=20_000)
+    rank = torch.distributed.get_rank()
+    addresses = [address for address, _ in engines]
+    clients = [SGLangEngine(RolloutConfig(addresses=(a,))) for a in addresses] if rank == 0 else []
+    sync = WeightSync(chunks, model, connect(transport, addresses, [ranks for _, ranks in engines],
+                                             config_from=model_dir), bucket_bytes=20_000)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (14, 9, 20)]
     starts = [4, 3, 6]
@@ -51,25 +81,30 @@ def _actor(model_dir: str, address: str, transport: str, export_dir: str) -> dic
         train_step(state, seqs, starts, per_token, PolicyLossConfig(), micro_batch_tokens=64)
         stats = sync.sync(chunks, version)
         box = [None]
-        if rank0:
-            samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-            check_versions(samples, version)
-            box = [[(s.response_ids, s.logprobs) for s in samples]]
+        if rank == 0:
+            box = [[]]
+            for client in clients:
+                samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+                check_versions(samples, version)
+                box[0].append([(s.response_ids, s.logprobs) for s in samples])
         torch.distributed.broadcast_object_list(box, src=0)
-        actor = compute_log_prob(chunks, [torch.tensor(p + r) for p, (r, _) in zip(PROMPTS, box[0])],
-                                 [len(p) for p in PROMPTS])
-        steps.append({"engine": box[0], "actor": [a["logprobs"] for a in actor], "stats": stats})
+        actor = [[a["logprobs"] for a in compute_log_prob(
+            chunks, [torch.tensor(p + r) for p, (r, _) in zip(PROMPTS, per_engine)], [len(p) for p in PROMPTS])]
+            for per_engine in box[0]]
+        steps.append({"engines": box[0], "actor": actor, "stats": stats})
     rss = []
     for version in range(STEPS + 1, STEPS + 1 + REPEATS):
         sync.sync(chunks, version)
         rss.append(psutil.Process().memory_info().rss / 2**20)
     exported = list(pair for bucket in export_hf_weights(chunks, sync.plan, model) for pair in bucket)
-    if not rank0:
-        return None
-    from pathlib import Path
+    out = {"pid": os.getpid(), "received": received, "steps": steps, "rss_mb": rss}
+    if rank == 0:
+        from pathlib import Path
 
-    write_hf_checkpoint(iter(exported), Path(export_dir))
-    return {"steps": steps, "rss_mb": rss, "version": engine.weight_version}
+        write_hf_checkpoint(iter(exported), Path(export_dir))
+        out["versions"] = [client.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=1))[0]
+                           .weight_version for client in clients]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -84,35 +119,61 @@ def engine_tp2(tiny_hf_model, tmp_path_factory):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
-def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
+def _run(engines, transport, tiny_hf_model, tmp_path) -> list[dict]:
+    """Runs the actor against `engines` [(engine, its trainer ranks)]; checks every engine against the actor after
+    every sync and against transformers at the end; returns every rank's result."""
     import shutil
 
     import transformers as T
 
-    sglang_engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
     export_dir = tmp_path / "actor"
     export_dir.mkdir()
-    address = sglang_engine.urls[0].removeprefix("http://")
+    placed = [(engine.urls[0].removeprefix("http://"), ranks) for engine, ranks in engines]
     try:
-        result = spawn(_actor, 4, str(tiny_hf_model), address, transport, str(export_dir))[0]
-        for step in result["steps"]:
-            for (_, engine_lp), actor_lp in zip(step["engine"], step["actor"]):
-                assert (torch.tensor(engine_lp) - actor_lp).abs().max().item() < 1e-4
+        results = spawn(_actor, 4, str(tiny_hf_model), placed, transport, str(export_dir))
+        first = results[0]
+        for step in first["steps"]:
+            for per_engine, actor in zip(step["engines"], step["actor"]):
+                for (_, engine_lp), actor_lp in zip(per_engine, actor):
+                    assert (torch.tensor(engine_lp) - actor_lp).abs().max().item() < 1e-4
             stats = step["stats"]
-            assert stats.buckets > 1 and stats.bytes > 0 and stats.seconds > 0
-        greedy_by_step = [[r for r, _ in step["engine"]] for step in result["steps"]]
+            assert stats.buckets > 1 and stats.bytes > 0 and stats.seconds > 0 and not stats.failed
+        greedy_by_step = [[r for r, _ in step["engines"][0]] for step in first["steps"]]
         assert greedy_by_step[0] != greedy_by_step[-1], "the updates did not change the engine's output"
-        growth = result["rss_mb"][-1] - result["rss_mb"][2]
-        assert growth < 20, f"rank 0 grew {growth:.1f} MB over {REPEATS - 3} syncs: {result['rss_mb']}"
-        assert result["version"] == STEPS + REPEATS
+        growth = first["rss_mb"][-1] - first["rss_mb"][2]
+        assert growth < 20, f"rank 0 grew {growth:.1f} MB over {REPEATS - 3} syncs: {first['rss_mb']}"
+        assert first["versions"] == [STEPS + REPEATS] * len(engines)
 
         shutil.copy2(tiny_hf_model / "config.json", export_dir / "config.json")
         model = T.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
-        final = sglang_engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-        for prompt, sample in zip(PROMPTS, final):
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-            assert sample.response_ids == out[0, len(prompt):].tolist()
+        for engine, _ in engines:
+            final = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+            for prompt, sample in zip(PROMPTS, final):
+                with torch.no_grad():
+                    out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+                assert sample.response_ids == out[0, len(prompt):].tolist()
+        return results
     finally:
-        sglang_engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
+        for engine, _ in engines:
+            engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
+
+
+@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
+def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
+    engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
+    _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
+
+
+def test_colocated_engines_are_fed_by_the_ranks_on_their_devices(sglang_engine, engine_tp2, tiny_hf_model,
+                                                                 tmp_path):
+    """Two colocated engines on one TP=2 x PP=2 actor: the TP=2 engine on the devices of trainer ranks 0 and 1
+    (pipeline stage 0), the TP=1 engine on rank 2's (stage 1); rank 3's device has none. Every bucket each engine
+    received came from those ranks, TP rank i's payload from the i-th; both engines equal the actor after every
+    sync."""
+    results = _run([(engine_tp2, [0, 1]), (sglang_engine, [2])], "tensor", tiny_hf_model, tmp_path)
+    pids = [r["pid"] for r in results]
+    posted = {rank: r["received"] for rank, r in enumerate(results) if r["received"]}
+    assert sorted(posted) == [0, 2], "each engine is driven by its first trainer rank, and only by it"
+    buckets = results[0]["steps"][0]["stats"].buckets
+    assert posted[0] == [(0, [pids[0], pids[1]])] * (buckets * (STEPS + REPEATS))
+    assert posted[2] == [(1, [pids[2]])] * (buckets * (STEPS + REPEATS))

@@ -61,10 +61,10 @@ class RolloutEngine(Protocol):
     def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """Colocated: HF-named tensors handed to the engines on the same machine."""
 
-    def update_weights_from_distributed(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                                        broadcast: Callable[[], None], version: int) -> None:
-        """Disaggregated: the engines receive the named tensors while `broadcast()` sends them over the weight
-        group (see the implementation for how the group is set up)."""
+    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                        broadcast: Callable[[torch.Tensor], None], version: int) -> None:
+        """Disaggregated: the engines receive each bucket, flattened into one tensor, while `broadcast(flat)` sends
+        it over the weight group (see the implementation for how the group is set up)."""
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Fallback: the engines reload an HF checkpoint directory."""
@@ -75,10 +75,10 @@ class RolloutEngine(Protocol):
 
     def flush_cache(self) -> None: ...
 
-    def release_memory(self) -> None:
-        """Colocated: free the engines' weights and KV cache for training."""
+    def release_memory(self, tags: Iterable[str]) -> None:
+        """Colocated: free the engines' memory of `tags` (weights, KV cache) for training."""
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: Iterable[str]) -> None: ...
 
     def healthy(self) -> bool: ...
 

@@ -1,11 +1,19 @@
 """RolloutEngine on SGLang: data-parallel servers launched and supervised here (or attached by address), requests
 from token ids with bounded concurrency and client-side load balancing, weight updates through SGLang's APIs.
 
+Weight updates: "tensor" payloads are flattened buckets (SGLang's `flattened_bucket` load format: one tensor, one
+handle per bucket), serialized once per engine TP rank, as SGLang's own sender does (each rank opens only its own
+payload; on GPU with SGLang's device-UUID reduction, so a rank with another CUDA_VISIBLE_DEVICES can open it). While
+an update is under way the engine's weight version reads INCONSISTENT_VERSION; the new version is set once the last
+bucket has loaded, so a half-updated engine never claims a version.
+
 Failure handling:
 - a request that fails because its server died restarts that server (up to rollout.max_restarts) and is retried;
-- a restarted server comes back with its launch weights plus the last update from disk: its weight version says so
-  (tensor / broadcast updates must be pushed again by the caller; the samples' versions show which they are);
-- a failed weight update restarts a dead server before raising, so no dead engine is left behind.
+  `on_restart(engine)` runs after the restart and before any retry (the trainer gives the engine its current
+  weights there);
+- a restarted server comes back with its launch weights plus the last update from disk: its weight version says so;
+- a failed weight update restarts a dead server before raising, so no dead engine is left behind;
+- a control call (pause, flush, release, resume) that finds its launched server dead restarts it and is retried.
 sglang-router is not used (not installed here); balancing is least-requests-in-flight on the client.
 """
 
@@ -22,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
+import dataclasses
+
 import requests
 import torch
 
@@ -33,7 +43,11 @@ from rlhf_mc.runtime.spawn import free_port
 
 log = logging.getLogger(__name__)
 LAUNCH_VERSION = -1  # the weights a server was launched with
-INCONSISTENT_VERSION = -2  # an attached server whose update failed half-way
+INCONSISTENT_VERSION = -2  # an update under way, or one that failed half-way
+# SGLang's memory tags (sglang/srt/constants.py): the weights come back before a sync, the KV cache (and CUDA graphs)
+# after it, so the two are never on the device together with the trainer's state.
+WEIGHTS_TAGS = ("weights",)
+KV_CACHE_TAGS = ("kv_cache", "cuda_graph")
 
 
 class WeightUpdateError(RuntimeError):
@@ -46,6 +60,36 @@ class EngineDown(RuntimeError):
 
 def _version(text: str | None) -> int:
     return int(text) if text is not None and text.lstrip("-").isdigit() else LAUNCH_VERSION
+
+
+@dataclasses.dataclass
+class TensorPayload:
+    """One engine TP rank's share of a bucket: `serialized` for /update_weights_from_tensor, and the flattened
+    tensor it refers to, which must stay alive until the engine has loaded it."""
+
+    serialized: str
+    tensor: torch.Tensor
+
+
+def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> TensorPayload:
+    """A bucket as SGLang's FlattenedTensorBucket (one new byte tensor: never the model's own storage), serialized by
+    reference: a CUDA IPC handle named by device UUID on GPU, a shared-memory file on CPU. Tensors are laid out by
+    element size, largest first, so every tensor starts at an offset its dtype can be viewed at."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if cpu.on_cpu():
+        cpu.prepare_tensor_sender()
+    else:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+    ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
+    bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in ordered])
+    flat = bucket.get_flattened_tensor()
+    text = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()},
+                                               output_str=True)
+    return TensorPayload(text, flat)
 
 
 class SGLangEngine:
@@ -65,6 +109,8 @@ class SGLangEngine:
                 self.servers.append(ServerProcess(i, cfg, port, self.log_dir))
             self.urls = [s.url for s in self.servers]
         self.versions = [LAUNCH_VERSION] * len(self.urls)  # weight version each engine holds
+        self.released: list[set[str]] = [set() for _ in self.urls]  # memory tags each engine has released
+        self.on_restart: Callable[[int], None] | None = None  # runs after a restart, before requests are retried
         self.stats: collections.Counter = collections.Counter()
         self._disk_weights: tuple[str, int] | None = None  # last update from disk, re-applied after a restart
         self._weight_group: str | None = None  # name of the broadcast group (connect_weight_group)
@@ -163,12 +209,14 @@ class SGLangEngine:
             server.stop()
             server.start()
             server.wait_ready(self.cfg.startup_timeout_s)
-            self.versions[engine] = LAUNCH_VERSION
+            self.versions[engine], self.released[engine] = LAUNCH_VERSION, set()
             if self._disk_weights is not None:
                 path, version = self._disk_weights
                 self._call(engine, "POST", "/update_weights_from_disk",
                            {"model_path": path, "weight_version": str(version)})
                 self.versions[engine] = version
+            if self.on_restart is not None:
+                self.on_restart(engine)
 
     # ---------------------------------------------------------------- generation
 
@@ -233,29 +281,45 @@ class SGLangEngine:
                                     f" versions now {self.versions}") from error
         self.versions = [version] * len(self.urls)
 
-    def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
-        """Colocated: bucket by bucket, HF-named tensors are handed to every engine by reference (CUDA IPC handles
-        on GPU, shared files on CPU), not copied through HTTP; one bucket is alive at a time."""
-        from sglang.srt.utils import MultiprocessingSerializer
+    def begin_weight_update(self, engine: int) -> None:
+        """Opens a weight-update session on one engine; its version reads INCONSISTENT_VERSION until
+        end_weight_update."""
+        self._call(engine, "POST", "/begin_weight_update", {})
+        self._set_version(engine, INCONSISTENT_VERSION)
 
-        if cpu.on_cpu():
-            cpu.prepare_tensor_sender()
+    def load_tensor_payloads(self, engine: int, payloads: list[str]) -> None:
+        """One bucket into one engine: `payloads[i]` (tensor_payload(...).serialized) is what its TP rank i opens."""
+        if len(payloads) != self.engine_tp[engine]:
+            raise ValueError(f"engine {engine} has {self.engine_tp[engine]} TP ranks, got {len(payloads)} payloads")
+        self._call(engine, "POST", "/update_weights_from_tensor",
+                   {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False})
+
+    def end_weight_update(self, engine: int, version: int) -> None:
+        self._call(engine, "POST", "/end_weight_update", {})
+        self._set_version(engine, version)
+        self._call(engine, "POST", "/flush_cache", None)
+
+    def _set_version(self, engine: int, version: int) -> None:
+        self._call(engine, "POST", "/update_weight_version",
+                   {"new_version": str(version), "abort_all_requests": False})
+        self.versions[engine] = version
+
+    def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+        """In-process sender: HF-named tensors of this process handed to every engine by reference (CUDA IPC on GPU,
+        shared files on CPU), bucket by bucket, one payload per engine TP rank. One bucket is alive at a time. (The
+        trainer's colocated sync sends each engine rank's payload from the trainer rank on its device instead:
+        sync/transports.py.)"""
         engines = range(len(self.urls))
 
         def send() -> None:
             for engine in engines:
-                self._call(engine, "POST", "/begin_weight_update", {})
+                self.begin_weight_update(engine)
             for bucket in buckets:
-                if cpu.on_cpu():  # sharing moves a tensor's whole storage into shared memory: never the model's own
-                    bucket = [(name, tensor.clone()) for name, tensor in bucket]
-                payload = MultiprocessingSerializer.serialize(bucket, output_str=True)
                 for engine in engines:
-                    self._call(engine, "POST", "/update_weights_from_tensor",
-                               {"serialized_named_tensors": [payload] * self.engine_tp[engine], "flush_cache": False,
-                                "weight_version": str(version)})
+                    payloads = [tensor_payload(bucket) for _ in range(self.engine_tp[engine])]
+                    self.load_tensor_payloads(engine, [p.serialized for p in payloads])
             for engine in engines:
-                self._call(engine, "POST", "/end_weight_update", {})
-                self._call(engine, "POST", "/flush_cache", None)
+                self.end_weight_update(engine, version)
 
         self._update_all(send, version, "from tensors")
 
@@ -281,30 +345,36 @@ class SGLangEngine:
         self._weight_group = group_name
         return group
 
-    def update_weights_from_distributed(self, metadata: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                                        broadcast: Callable[[], None], version: int) -> None:
-        """The engines post-receive the tensors named in `metadata` (in order) while `broadcast()` sends each from
-        rank 0 of the weight group (connect_weight_group)."""
+    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
+                                        broadcast: Callable[[torch.Tensor], None], version: int) -> None:
+        """Every engine receives each bucket as one flattened tensor (the `flattened_bucket` load format) while
+        `broadcast(flat)` sends it from rank 0 of the weight group (connect_weight_group)."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
         if self._weight_group is None:
             raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first")
-        payload = {"names": [m[0] for m in metadata], "dtypes": [str(m[1]).removeprefix("torch.") for m in metadata],
-                   "shapes": [list(m[2]) for m in metadata], "group_name": self._weight_group,
-                   "flush_cache": True, "weight_version": str(version)}
+        engines = range(len(self.urls))
 
         def send() -> None:
-            engines = range(len(self.urls))
             for engine in engines:
-                self._call(engine, "POST", "/begin_weight_update", {})
-            calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
-                                                                 payload))
-                     for engine in engines]
-            try:
-                broadcast()  # a receiver that refused makes this time out (the group's timeout), not hang
-            finally:
-                for call in calls:
-                    call.join_or_raise()
+                self.begin_weight_update(engine)
+            for bucket in buckets:
+                ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # as tensor_payload: aligned
+                payload = {"names": [n for n, _ in ordered],
+                           "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+                           "shapes": [list(t.shape) for _, t in ordered], "group_name": self._weight_group,
+                           "load_format": "flattened_bucket", "flush_cache": False}
+                flat = FlattenedTensorBucket(named_tensors=[(n, t.contiguous()) for n, t in ordered])
+                calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
+                                                                     payload))
+                         for engine in engines]
+                try:
+                    broadcast(flat.get_flattened_tensor())  # a receiver that refused makes this time out, not hang
+                finally:
+                    for call in calls:
+                        call.join_or_raise()
             for engine in engines:
-                self._call(engine, "POST", "/end_weight_update", {})
+                self.end_weight_update(engine, version)
 
         self._update_all(send, version, "from distributed")
 
@@ -325,16 +395,23 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- phases
 
-    def _all(self, path: str, payload: dict | None = None) -> None:
-        for engine in range(len(self.urls)):
+    def _all(self, path: str, payload: dict | None = None, engines: Iterable[int] | None = None) -> None:
+        """A control call to every engine (or `engines`); a launched server found dead is restarted (its
+        on_restart runs) and asked again."""
+        for engine in range(len(self.urls)) if engines is None else engines:
             try:
                 self._call(engine, "POST", path, payload)
             except requests.ConnectionError as error:
                 server = self.servers[engine]
                 if server is None:
                     raise
-                raise EngineDown(f"engine {engine} failed {path} ({error}); log tail ({server.log_path}):\n"
-                                 f"{server.log_tail()}") from error
+                log.warning("engine %d failed %s (%s); recovering", engine, path, error)
+                self._recover(engine)
+                try:
+                    self._call(engine, "POST", path, payload)
+                except requests.ConnectionError as again:
+                    raise EngineDown(f"engine {engine} failed {path} ({again}); log tail ({server.log_path}):\n"
+                                     f"{server.log_tail()}") from again
 
     def pause(self) -> None:
         self._all("/pause_generation", {})
@@ -345,17 +422,27 @@ class SGLangEngine:
     def flush_cache(self) -> None:
         self._all("/flush_cache")
 
-    def release_memory(self) -> None:
-        # SGLang's scheduler asserts that it is idle on a release and dies if not. So: wait for the requests in
-        # flight through this client, then for the scheduler to retire their batch (the last answers can reach us
-        # before it has): /flush_cache with a timeout answers once it is idle, and flushes, as a release does.
+    def release_memory(self, tags: Iterable[str] = WEIGHTS_TAGS + KV_CACHE_TAGS) -> None:
+        """Frees the engines' device memory of `tags` (weights, KV cache, CUDA graphs; it takes --enable-memory-saver
+        on GPU). SGLang's scheduler asserts that it is idle on a release and dies if not. So: wait for the requests
+        in flight through this client, then for the scheduler to retire their batch (the last answers can reach us
+        before it has): /flush_cache with a timeout answers once it is idle, and flushes, as a release does."""
         with self._lock:
             self._lock.wait_for(lambda: not any(self._inflight))
         self._all(f"/flush_cache?timeout={self.cfg.request_timeout_s}")
-        self._all("/release_memory_occupation", {})
+        for engine in range(len(self.urls)):
+            todo = [tag for tag in tags if tag not in self.released[engine]]
+            if todo:
+                self._all("/release_memory_occupation", {"tags": todo}, engines=[engine])
+                self.released[engine].update(todo)
 
-    def resume_memory(self) -> None:
-        self._all("/resume_memory_occupation", {})
+    def resume_memory(self, tags: Iterable[str] = WEIGHTS_TAGS + KV_CACHE_TAGS) -> None:
+        """Brings back what release_memory freed of `tags` (SGLang fails on resuming a tag it holds)."""
+        for engine in range(len(self.urls)):
+            todo = [tag for tag in tags if tag in self.released[engine]]
+            if todo:
+                self._all("/resume_memory_occupation", {"tags": todo}, engines=[engine])
+                self.released[engine].difference_update(todo)
 
     def healthy(self) -> bool:
         return all(self._healthy(engine) for engine in range(len(self.urls)))

@@ -36,10 +36,24 @@ def _rng_tracker() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
 
 
+class _NoOpStream:
+    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CpuDeviceTorch(types.ModuleType):
     """`torch` as seen by one Megatron module: tensor factories asked for device "cuda" get the CPU, and
-    torch.cuda.current_device() names the CPU, torch.cuda.synchronize() has nothing to wait for. Everything else is
-    the real torch."""
+    torch.cuda.current_device() names the CPU, torch.cuda.synchronize() has nothing to wait for, and the CUDA stream
+    calls (Megatron-Core 0.19's grad sync waits on CUDA-graph events through torch.cuda.current_stream()) get a
+    stream that does nothing. Everything else is the real torch."""
 
     _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
 
@@ -49,6 +63,10 @@ class _CpuDeviceTorch(types.ModuleType):
                                              if not k.startswith("__")})
         self.cuda.current_device = lambda: torch.device("cpu")
         self.cuda.synchronize = lambda device=None: None
+        stream = _NoOpStream()
+        self.cuda.current_stream = lambda device=None: stream
+        self.cuda.Stream = lambda *args, **kwargs: stream
+        self.cuda.stream = lambda s=None: contextlib.nullcontext()
         for name in self._FACTORIES:
             setattr(self, name, self._on_cpu(getattr(torch, name)))
 
@@ -72,7 +90,8 @@ class _CpuDeviceTorch(types.ModuleType):
 # gradient clipping (norm buffers), the grad buffers of DDP,
 # the distributed optimizer (shard buffers), the mixed-precision optimizer (found_inf / scale), RoPE (inv_freq), and
 # distributed-checkpoint saving (a device-to-host synchronize, a validation flag all-reduced across ranks), and the
-# grad-norm fallback used without apex/TE (megatron/core/utils.py: local_multi_tensor_l2_norm).
+# grad-norm fallback used without apex/TE (megatron/core/utils.py: local_multi_tensor_l2_norm). In 0.19 the grad
+# buffer also asks for CUDA streams (param_and_grad_buffer.py start_grad_sync).
 _CUDA_DEVICE_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",

@@ -2,32 +2,24 @@
 
 The plan (owners, shapes, dtypes, buckets by a byte budget) is computed once per model (bridge.weights); each sync
 streams it bucket by bucket: broadcast from the owning pipeline stage, gather over TP, HF layout, hand to the
-engines, free. Only one bucket is alive at a time. SGLang shards each tensor for its own TP.
-
-Transports: "tensor" (colocated: tensors handed over by reference - CUDA IPC on GPU, shared files on CPU),
-"distributed" (a gloo/NCCL group from the actor's rank 0 to every engine rank, for disaggregated placement),
-"disk" (an HF checkpoint written and reloaded: fallback and debugging).
-Collective over the actor's ranks; only global rank 0 talks to the engines (`engine` may be None elsewhere).
+engines (sync/transports.py: one class per transport), free. Only one bucket is alive at a time. SGLang shards each
+tensor for its own TP. Collective over the actor's ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterable, Iterator, Union
 
 import psutil
-import torch
-import torch.distributed as dist
 
 from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights
 from rlhf_mc.config import ModelConfig
+from rlhf_mc.sync.transports import Broadcast, ColocatedTensors, Disk
 
-Transport = Literal["tensor", "distributed", "disk"]
+Transport = Union[ColocatedTensors, Broadcast, Disk]
 
 
 class StaleWeights(RuntimeError):
@@ -43,12 +35,16 @@ def check_versions(samples, version: int) -> None:
 
 @dataclasses.dataclass
 class SyncStats:
+    """One rank's view of a sync: what went through it, and the engines it drove (updated or failed)."""
+
     version: int
     bytes: int
     buckets: int
     tensors: int
     seconds: float
-    peak_extra_mb: float  # rank 0's resident memory above its level at the start of the sync
+    peak_extra_mb: float  # this rank's resident memory above its level at the start of the sync
+    updated: list[int] = dataclasses.field(default_factory=list)
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def bytes_per_s(self) -> float:
@@ -78,27 +74,13 @@ class _PeakRSS:
 
 
 class WeightSync:
-    def __init__(self, chunks, model: ModelConfig, engine=None, transport: Transport = "tensor",
-                 bucket_bytes: int = 256 * 2**20, master_address: str = "127.0.0.1", master_port: int | None = None):
-        self.model, self.engine, self.transport = model, engine, transport
+    def __init__(self, chunks, model: ModelConfig, transport: Transport, bucket_bytes: int = 256 * 2**20):
+        self.model, self.transport = model, transport
         self.plan = build_export_plan(chunks, model, bucket_bytes)
-        self.is_sender = dist.get_rank() == 0
-        if self.is_sender and engine is None:
-            raise ValueError("WeightSync: global rank 0 needs the rollout engine")
-        self._group = None
-        if transport == "distributed" and self.is_sender:
-            from rlhf_mc.runtime.spawn import free_port
 
-            self._group = engine.connect_weight_group(master_address, master_port or free_port(),
-                                                      backend="nccl" if torch.cuda.is_available() else "gloo")
-
-    def sync(self, chunks, version: int) -> SyncStats | None:
-        """Collective: every actor rank calls it. Returns the stats on rank 0, None elsewhere."""
-        buckets = export_hf_weights(chunks, self.plan, self.model)
-        if not self.is_sender:
-            for _ in buckets:  # take part in the broadcasts and gathers
-                pass
-            return None
+    def sync(self, chunks, version: int, engines: Iterable[int] | None = None) -> SyncStats:
+        """Collective: every actor rank calls it. `engines`: only these (re-syncing restarted ones); the transports
+        that update every engine at once ignore it."""
         counted = {"bytes": 0, "buckets": 0, "tensors": 0}
 
         def counting(source: Iterator[list]) -> Iterator[list]:
@@ -110,34 +92,7 @@ class WeightSync:
 
         start = time.perf_counter()
         with _PeakRSS() as memory:
-            self.engine.pause()
-            try:
-                getattr(self, f"_send_{self.transport}")(counting(buckets), version)
-            finally:
-                self.engine.resume()
+            result = self.transport.send(counting(export_hf_weights(chunks, self.plan, self.model)), version, engines)
         return SyncStats(version, counted["bytes"], counted["buckets"], counted["tensors"],
-                         time.perf_counter() - start, (memory.peak - memory.start) / 2**20)
-
-    def _send_tensor(self, buckets, version: int) -> None:
-        self.engine.update_weights_from_tensors(buckets, version)
-
-    def _send_distributed(self, buckets, version: int) -> None:
-        for bucket in buckets:
-            def broadcast(bucket=bucket):
-                for _, tensor in bucket:
-                    dist.broadcast(tensor.contiguous(), src=0, group=self._group)
-
-            self.engine.update_weights_from_distributed([(n, t.dtype, tuple(t.shape)) for n, t in bucket], broadcast,
-                                                        version)
-
-    def _send_disk(self, buckets, version: int) -> None:
-        """Writes an HF checkpoint (config from the engine's launch model_path) and has the engines reload it."""
-        from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
-
-        source = Path(self.engine.cfg.model_path)
-        with tempfile.TemporaryDirectory(prefix="rlhf_mc_sync_") as tmp:
-            write_hf_checkpoint((pair for bucket in buckets for pair in bucket), Path(tmp))
-            for name in ("config.json", "generation_config.json"):
-                if (source / name).is_file():
-                    shutil.copy2(source / name, Path(tmp) / name)
-            self.engine.update_weights_from_disk(tmp, version)
+                         time.perf_counter() - start, (memory.peak - memory.start) / 2**20,
+                         result.updated if result else [], result.failed if result else {})

@@ -1,0 +1,181 @@
+"""How the actor's new weights reach the rollout engines: one class per transport. Each is built collectively on
+every actor rank and sends a stream of buckets of full HF-named tensors (bridge.weights.export_hf_weights, which
+every rank iterates to the end: the stream itself runs collectives). A transport drains what it does not send.
+
+- ColocatedTensors ("tensor"): engine e's TP rank i gets its payload from the trainer rank on its own device, as
+  SGLang's own sender and slime do. Per engine a gloo group of its trainer ranks; each serializes the bucket as a
+  flattened tensor (rollout.sglang_engine.tensor_payload) and the group gathers the payloads to its first rank,
+  which posts them to its engine (one payload per TP rank). Every engine is driven from its own node, so this
+  works across nodes as long as each engine lies on one node (the plan checks that).
+- Broadcast ("distributed", disaggregated placement): global rank 0 broadcasts each flattened bucket over a gloo /
+  NCCL group it forms with every engine rank.
+- Disk ("disk", fallback and debugging): rank 0 writes an HF checkpoint and every engine reloads it.
+
+`send` returns, on each rank that drove engines, the engines it updated and the ones that failed (with the error):
+a failure never leaves the other ranks waiting in a collective, and the caller restarts and re-syncs those engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rlhf_mc.config import RolloutConfig
+from rlhf_mc.rollout.sglang_engine import SGLangEngine, tensor_payload
+
+Buckets = Iterator[list[tuple[str, torch.Tensor]]]
+
+
+@dataclasses.dataclass
+class SendResult:
+    updated: list[int]  # engines this rank updated
+    failed: dict[int, str]  # engine -> error
+
+
+def _drain(buckets: Buckets) -> None:
+    for _ in buckets:  # take part in the stream's broadcasts and gathers
+        pass
+
+
+def _client(addresses: list[str]) -> SGLangEngine:
+    return SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
+
+
+class ColocatedTensors:
+    def __init__(self, addresses: list[str], engine_ranks: list[list[int]]):
+        """`engine_ranks[e]`: the global trainer ranks on engine e's devices, in its TP rank order."""
+        rank = dist.get_rank()
+        self.engine_ranks = engine_ranks
+        self.group = self.engine = self.client = None
+        for e, ranks in enumerate(engine_ranks):
+            group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(minutes=30))  # on every rank
+            if rank in ranks:
+                self.group, self.engine = group, e
+        self.leader = self.engine is not None and rank == engine_ranks[self.engine][0]
+        if self.leader:
+            self.client = _client([addresses[self.engine]])
+            if self.client.engine_tp[0] != len(engine_ranks[self.engine]):
+                raise ValueError(f"engine {self.engine} at {addresses[self.engine]} has TP "
+                                 f"{self.client.engine_tp[0]}, placed on {len(engine_ranks[self.engine])} devices")
+
+    def send(self, buckets: Buckets, version: int, engines: Iterable[int] | None = None) -> SendResult | None:
+        if self.group is None or (engines is not None and self.engine not in set(engines)):
+            _drain(buckets)
+            return None
+        error = self._call(lambda: (self.client.pause(), self.client.begin_weight_update(0)))
+        members = self.engine_ranks[self.engine]
+        for bucket in buckets:
+            payload = tensor_payload(bucket)
+            gathered = [None] * len(members) if self.leader else None
+            dist.gather_object(payload.serialized, gathered, dst=members[0], group=self.group)
+            if error is None:
+                error = self._call(lambda: self.client.load_tensor_payloads(0, gathered))
+            dist.barrier(group=self.group)  # every payload stays alive until its engine has loaded it
+            del payload
+        if error is None:
+            error = self._call(lambda: (self.client.end_weight_update(0, version), self.client.resume()))
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # the engine has closed its handles: free what they kept alive
+        if not self.leader:
+            return None
+        return SendResult([] if error else [self.engine], {self.engine: error} if error else {})
+
+    def _call(self, fn) -> str | None:
+        """Runs an engine call on the leader; its failure as text (the stream must go on: others wait in it)."""
+        if not self.leader:
+            return None
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which restarts the engine
+            return f"{type(e).__name__}: {e}"
+        return None
+
+
+class _FromRankZero:
+    """Transports where global rank 0 drives every engine."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.client = _client(addresses) if dist.get_rank() == 0 else None
+
+    def send(self, buckets: Buckets, version: int, engines: Iterable[int] | None = None) -> SendResult | None:
+        """`engines` is ignored: these transports update every engine at once."""
+        if self.client is None:
+            _drain(buckets)
+            return None
+        everyone = list(range(len(self.addresses)))
+        try:
+            self.client.pause()
+            self._send(buckets, version)
+            self.client.resume()
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which restarts the engines
+            _drain(buckets)
+            return SendResult([], {engine: f"{type(e).__name__}: {e}" for engine in everyone})
+        return SendResult(everyone, {})
+
+    def _send(self, buckets: Buckets, version: int) -> None:
+        raise NotImplementedError
+
+
+class Broadcast(_FromRankZero):
+    def __init__(self, addresses: list[str], master_address: str):
+        super().__init__(addresses)
+        self.master_address = master_address
+        self.group, self.groups_formed = None, 0
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        """(Re)forms the weight group with every engine rank: at start, and after an engine was restarted."""
+        from rlhf_mc.runtime.spawn import free_port
+
+        if self.client is not None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self.groups_formed += 1  # a new name: engines that kept the old group must not mix the two up
+            self.group = self.client.connect_weight_group(self.master_address, free_port(), backend=backend,
+                                                          group_name=f"rlhf_mc_weights_{self.groups_formed}")
+
+    def _send(self, buckets: Buckets, version: int) -> None:
+        self.client.update_weights_from_distributed(
+            buckets, lambda flat: dist.broadcast(flat, src=0, group=self.group), version)
+
+
+class Disk(_FromRankZero):
+    def __init__(self, addresses: list[str], config_from: str):
+        """`config_from`: an HF checkpoint dir whose config.json (and generation_config.json) go with the
+        weights."""
+        super().__init__(addresses)
+        self.config_from = Path(config_from)
+
+    def _send(self, buckets: Buckets, version: int) -> None:
+        from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="rlhf_mc_sync_") as tmp:
+            write_hf_checkpoint((pair for bucket in buckets for pair in bucket), Path(tmp))
+            for name in ("config.json", "generation_config.json"):
+                if (self.config_from / name).is_file():
+                    shutil.copy2(self.config_from / name, Path(tmp) / name)
+            self.client.update_weights_from_disk(tmp, version)
+
+
+def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | None = None,
+            master_address: str = "127.0.0.1", config_from: str | None = None):
+    """The transport `kind` ("tensor" | "distributed" | "disk") to the engines at `addresses`; collective over the
+    actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" `config_from`."""
+    if kind == "tensor":
+        if engine_ranks is None:
+            raise ValueError("the tensor transport needs engine_ranks: which trainer ranks share each engine's devices")
+        return ColocatedTensors(addresses, engine_ranks)
+    if kind == "distributed":
+        return Broadcast(addresses, master_address)
+    if kind == "disk":
+        if config_from is None:
+            raise ValueError("the disk transport needs config_from: the HF checkpoint whose config goes along")
+        return Disk(addresses, config_from)
+    raise ValueError(f"rollout.sync_transport: unknown transport {kind!r}")
