@@ -32,7 +32,7 @@ COPY --chown=rlhf:rlhf model_configs ./model_configs
 COPY --chown=rlhf:rlhf docker/entrypoint.sh /usr/local/bin/rlhf-entrypoint
 RUN pip install --constraint /etc/pip-base-constraints.txt --no-deps -e . \
     && chmod 0755 /usr/local/bin/rlhf-entrypoint \
-    && python -c "import rlhf_mc, megatron.core, sglang, ray; print('rlhf_mc image ok')"
+    && python -c "import rlhf_mc, megatron.core, sglang, ray, torch_memory_saver; print('rlhf_mc image ok')"
 
 USER 1000
 # Ray GCS, dashboard, client server; SGLang engines and torch.distributed pick free ports on the host network.

@@ -36,7 +36,8 @@ def measure(model: ModelConfig, repeats: int) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
-    from rlhf_mc.runtime.offload import offload, reload, training_tensors
+    from rlhf_mc.runtime.offload import (gradient_tensors, offload_training_state, optimizer_tensors, reload,
+                                        weight_tensors)
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
@@ -44,12 +45,13 @@ def measure(model: ModelConfig, repeats: int) -> dict:
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     g = torch.Generator().manual_seed(0)
     sft_step(state, [torch.randint(0, model.vocab_size, (256,), generator=g) for _ in range(4)], [128] * 4, 1024)
-    tensors = list(training_tensors(chunks, state.optimizer))
+    tensors = [*weight_tensors(chunks), *gradient_tensors(chunks, state.optimizer),
+               *optimizer_tensors(state.optimizer)]
     baseline = _resident_bytes(tensors)
     host, offload_s, reload_s, during = [], [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        host = offload(tensors, reuse=host)
+        host = offload_training_state(chunks, state.optimizer, "all", reuse=host)
         offload_s.append(time.perf_counter() - start)
         during.append(sum(t.untyped_storage().nbytes() for t in tensors))
         start = time.perf_counter()

@@ -1,9 +1,17 @@
 """Session-wide fixtures: one tiny HF model written by transformers, and one SGLang engine serving it (a real server
-on CPU, started once per test session because start-up takes ~25 s)."""
+on CPU, started once per test session because start-up takes ~25 s).
+
+The suite runs on the CPU on any machine: on one with GPUs they are hidden (before torch starts CUDA), so multi-rank
+tests take gloo however few GPUs there are, and SGLang serves on the CPU. The GPU-only tests in tests/gpu/ run with
+RLHF_MC_GPU_TESTS=1 (tools/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+if os.environ.get("RLHF_MC_GPU_TESTS") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import psutil
 import pytest

@@ -51,3 +51,18 @@ def test_resume_matches_continuing(tp, tmp_path):
     for result in spawn(_run, 2, tp, str(tmp_path / "ckpt")):
         assert result["resumed"] == pytest.approx(result["continued"], abs=1e-6)
         assert result["gap"] < 1e-6
+
+
+def test_incomplete_checkpoints_are_removed_before_a_run_goes_on(tmp_path):
+    """What a kill during a save leaves - a .tmp directory, a critic part whose actor part never completed - is
+    removed; complete checkpoints (trainer_state.json in the actor part) and their critic parts stay."""
+    from rlhf_mc.trainer import checkpoints
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_000002", "step_000002_critic", "step_000004_critic", "step_000004.tmp", "step_000006.tmp"):
+        (root / name).mkdir(parents=True)
+    (root / "step_000002" / "trainer_state.json").write_text("{}")
+    removed = checkpoints.remove_incomplete(tmp_path)
+    assert sorted(p.name for p in removed) == ["step_000004.tmp", "step_000004_critic", "step_000006.tmp"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002", "step_000002_critic"]
+    assert checkpoints.resume_from(tmp_path, "auto") == root / "step_000002"

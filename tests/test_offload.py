@@ -1,6 +1,8 @@
 """Offloading the training state (runtime/offload.py) between two actor train steps at DP=2 with the distributed
 optimizer: while offloaded, parameters, gradient buffers and Adam's moments hold no memory; after two offloads (the
-second into the first's host buffers) the second step gives exactly the weights of two steps without offloading."""
+second into the first's host buffers), and after one in the colocation order's two parts (optimizer state while the
+weights stay and serve a forward, then the weights), the second step gives exactly the weights of two steps without
+offloading."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
-    from rlhf_mc.runtime.offload import offload, reload, training_tensors
+    from rlhf_mc.runtime.offload import offload_training_state, reload
     from rlhf_mc.workers.train import train_step
 
     init_parallel(ParallelConfig(), seed=11)
@@ -42,12 +44,25 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
             out["moments"] = len(moments)
             out["bytes_before"] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                                        for t in expected}.values())
-            saved = offload(training_tensors(chunks, state.optimizer))
+            saved = offload_training_state(chunks, state.optimizer, "all")
             out["bytes_offloaded"] = sum(t.untyped_storage().nbytes() for t in expected)
             reload(saved)
-            again = offload(training_tensors(chunks, state.optimizer), reuse=saved)  # as every later step does
-            out["host_buffers_reused"] = all(a[1] is b[1] for a, b in zip(saved, again)) and len(saved) == len(again)
+            again = offload_training_state(chunks, state.optimizer, "all", reuse=saved)  # as every later step does
+            out["host_buffers_reused"] = all(a[2] is b[2] for a, b in zip(saved, again)) and len(saved) == len(again)
             reload(again)
+            # The colocation order: optimizer state and gradients first, the weights still there for the sync ...
+            params = list(chunks[0].parameters())
+            first = offload_training_state(chunks, state.optimizer, "optimizer")
+            out["optimizer_part_bytes"] = sum(t.untyped_storage().nbytes() for t in moments + [p.main_grad
+                                                                                              for p in params])
+            out["weights_kept_bytes"] = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                                             for p in params}.values())
+            out["logits_while_state_offloaded"] = chunks[0](seqs[0][None], torch.arange(len(seqs[0]))[None],
+                                                                   None).detach()
+            second = offload_training_state(chunks, state.optimizer, "weights")  # ... then the weights
+            out["weights_part_bytes"] = sum(p.untyped_storage().nbytes() for p in params)
+            reload(first)
+            reload(second)
     out["weights"] = [p.detach().clone() for p in chunks[0].parameters()]
     return out
 
@@ -60,5 +75,7 @@ def test_offload_frees_the_training_state_and_the_next_step_is_unchanged(tmp_pat
         param_bytes = sum(w.numel() * w.element_size() for w in b["weights"])
         assert b["bytes_before"] > 2 * param_bytes and b["bytes_offloaded"] == 0
         assert b["host_buffers_reused"]
+        assert b["optimizer_part_bytes"] == 0 and b["weights_kept_bytes"] >= param_bytes
+        assert b["weights_part_bytes"] == 0 and torch.isfinite(b["logits_while_state_offloaded"]).all()
         assert a["grad_norm1"] == b["grad_norm1"]
         assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))

@@ -51,6 +51,9 @@ def test_real_scale_plans():
     assert long.max_sequence_tokens == 32048 and long.actor_dp == 1 and long.context_length == 32768
     dapo = plan("dapo_qwen3_8b.yaml")
     assert (dapo.devices, dapo.actor_dp, dapo.sequences_per_step) == (16, 2, 512 * 16)
+    # Colocated over two nodes: every engine is fed from its own node's trainer ranks (8 engines x TP=2).
+    assert dapo.sync_transport == "tensor" and dapo.colocated
+    assert dapo.engines == [(2 * e, 2) for e in range(8)] and dapo.placement[9]["node"] == 1
 
 
 @pytest.mark.parametrize("tp, dp, per_rank", [(2, 3, 240), (1, 6, 120)])
@@ -91,6 +94,13 @@ BAD = [
     (["rollout.placement=disaggregated", "rollout.sync_transport=tensor", "resources.devices_per_node=2"],
      "rollout.sync_transport: tensor needs rollout.placement=colocated"),
     (["rollout.placement=disaggregated"], "rollout.placement: disaggregated, but num_engines*tp = 1 leaves no device"),
+    (["resources.nodes=2", "resources.devices_per_node=3", "actor.parallel.tp=2", "rollout.n=3"],
+     "actor.parallel.tp: 2 does not divide resources.devices_per_node=3: a tensor-parallel group must lie on one node"),
+    (["resources.nodes=2", "resources.devices_per_node=3", "rollout.engine.tp=2", "rollout.engine.num_engines=3",
+      "rollout.n=3"],
+     "rollout.engine.tp: engine 1 (tp=2) would span devices 2-3 on two nodes of resources.devices_per_node=3"),
+    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.sync_transport=tensor"],
+     "rollout.sync_transport: tensor needs engines the trainer launches on its own devices"),
     (["rollout.engine.model_path=/x"], "rollout.engine.model_path: set by the trainer"),
     (["rollout.temperature=0.0", "rollout.engine.tpp=2"], "rollout.engine.tpp: unknown key"),
     (["algorithm.estimator=ppo"], "algorithm.estimator: 'ppo' is not one of"),

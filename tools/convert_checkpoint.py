@@ -4,7 +4,9 @@
                                                    [--model-config model_configs/X.yaml]
     python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N]
 
-A Megatron checkpoint saved at one TP/PP/VPP loads at any other (training, tools/score.py, mcore-to-hf).
+A Megatron checkpoint saved at one TP/PP/VPP loads at any other (training, tools/score.py, mcore-to-hf). The TP x PP
+ranks take a GPU each where the machine has enough, else they all run on the CPU (gloo): --device cpu|cuda forces
+one; cuda with too few GPUs is refused.
 Errors (missing file, unsupported architecture, config mismatch, existing output) are one line on stderr, exit 2.
 """
 
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_mc.bridge.convert import hf_to_mcore, mcore_to_hf  # noqa: E402
 from rlhf_mc.config import ConfigError, ParallelConfig  # noqa: E402
+from rlhf_mc.runtime.spawn import spawn_device  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,13 +39,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=1)
         p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                       help="auto: a GPU per rank when there are enough, else the CPU")
     args = parser.parse_args(argv)
     try:
         parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp)
+        spawn_device(parallel.model_parallel_size, args.device)  # refuses cuda without a GPU per rank, up front
         if args.command == "hf-to-mcore":
-            out = hf_to_mcore(args.hf, args.out, parallel, args.dtype, args.model_config, progress=not args.quiet)
+            out = hf_to_mcore(args.hf, args.out, parallel, args.dtype, args.model_config, progress=not args.quiet,
+                              device=args.device)
         else:
-            out = mcore_to_hf(args.ckpt, args.out, parallel, progress=not args.quiet)
+            out = mcore_to_hf(args.ckpt, args.out, parallel, progress=not args.quiet, device=args.device)
     except (ConfigError, FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
         message = e.args[0] if isinstance(e, KeyError) else str(e)
         print(f"error: {message}", file=sys.stderr)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import yaml
@@ -49,7 +51,27 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from rlhf_mc.trainer.loop import train
 
-    metrics = train(recipe, plan, args.address)
+    # SIGTERM / Ctrl-C: the step under way finishes and is logged; a second one stops at once. Either way the
+    # trainer's clean-up (engines, workers, Ray) runs on the way out and nothing it started is left.
+    stop, received = threading.Event(), []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        if stop.is_set():
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        stop.set()
+        print(f"{signal.Signals(signum).name}: stopping after this step (again to stop now)", file=sys.stderr)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        metrics = train(recipe, plan, args.address, stop)
+    except KeyboardInterrupt:
+        metrics = {}
+    if received:
+        print(f"stopped by {signal.Signals(received[0]).name}; every process the run started is gone; relaunch to "
+              "continue from its last checkpoint", file=sys.stderr)
+        return 128 + received[0]
     print("done:", {k: round(v, 4) for k, v in metrics.items() if k.startswith(("reward/", "val/"))})
     return 0
 

@@ -5,7 +5,8 @@
 DIR is an HF checkpoint directory or a distributed checkpoint from tools/convert_checkpoint.py. Each input line is a
 JSON list of token ids (or {"tokens": [...]}); each output line is {"logprobs": [...]}, where entry i is
 log p(token[i+1] | token[:i+1]) under the model (fp32 unless the checkpoint says otherwise), so len(tokens) - 1
-values. Computed without gathering the vocabulary (Megatron's vocab-parallel cross entropy).
+values. Computed without gathering the vocabulary (Megatron's vocab-parallel cross entropy). The TP x PP ranks take a
+GPU each where the machine has enough, else they run on the CPU (gloo); --device forces one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_mc.bridge.convert import checkpoint_model_config, load_weights  # noqa: E402
 from rlhf_mc.config import ConfigError, ParallelConfig  # noqa: E402
-from rlhf_mc.runtime.spawn import spawn  # noqa: E402
+from rlhf_mc.runtime.spawn import spawn, spawn_device  # noqa: E402
 
 
 def read_sequences(path: Path, vocab_size: int, max_len: int) -> list[list[int]]:
@@ -82,17 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                        help="auto: a GPU per rank when there are enough, else the CPU")
     args = parser.parse_args(argv)
     try:
         model, _ = checkpoint_model_config(args.ckpt)
         parallel = ParallelConfig(tp=args.tp, pp=args.pp)
         parallel.check_model(model)
+        spawn_device(parallel.model_parallel_size, args.device)
         sequences = read_sequences(args.input, model.vocab_size, model.max_position_embeddings)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = [r for r in spawn(score, parallel.model_parallel_size, args.ckpt, sequences, parallel)
-               if r is not None]
+    results = [r for r in spawn(score, parallel.model_parallel_size, args.ckpt, sequences, parallel,
+                                device=args.device) if r is not None]
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("".join(json.dumps({"logprobs": lp}) + "\n" for lp in results[0]))
     tmp.rename(args.out)

@@ -2,7 +2,10 @@
 # Builds the project's environment in .venv on a CPU machine of this kind (Python 3.11, no GPU).
 # The one combination measured to hold Megatron-Core, SGLang, Ray and transformers together (see DESIGN.md):
 # torch 2.14.1 + torchvision 0.29.1 (SGLang 0.5.23's pin; both lie on local disk, so pip downloads no CUDA wheels),
-# megatron-core 0.16.1 (newest for Python 3.11), SGLang 0.5.23 without its CUDA-only packages.
+# SGLang 0.5.23 without its CUDA-only packages, and megatron-core 0.19.2 - the release the Docker image pins. Its
+# wheels declare Python >= 3.12 but import and run on 3.11 (they need only torch, numpy and packaging), so pip is
+# told to ignore that. megatron-core 0.16.1, the newest that declares 3.11, goes to .venv/mcore-0.16.1 for the fast
+# check that keeps it working (tests/test_megatron_versions.py puts it first on PYTHONPATH).
 # Idempotent: a second run only checks that everything is installed. Pip's cache is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +22,9 @@ pip_install torch==2.14.1 torchvision==0.29.1
 # SGLang's own requirements minus CUDA-only packages (requirements/sglang-cpu.txt), then SGLang itself without deps.
 pip_install -r requirements/sglang-cpu.txt
 pip_install --no-deps sglang==0.5.23
-# The package, its test extras, and the Megatron-Core release for this Python.
-pip_install -e ".[test]" "megatron-core==0.16.1" torch==2.14.1 torchvision==0.29.1
+# Megatron-Core first (so that the package's ">=0.16.1" finds it installed), then the package and its test extras.
+pip_install --no-deps --ignore-requires-python megatron-core==0.19.2
+pip_install -e ".[test]" torch==2.14.1 torchvision==0.29.1
+[ -d "$VENV/mcore-0.16.1/megatron/core" ] || pip_install --no-deps --target "$VENV/mcore-0.16.1" megatron-core==0.16.1
 "$VENV/bin/python" -W ignore -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"

@@ -71,13 +71,15 @@ def load_weights(chunks, ckpt: str | Path, model: ModelConfig, progress: bool = 
 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, parallel: ParallelConfig, dtype: str = "float32",
-                model_config: str | Path | None = None, progress: bool = True) -> Path:
+                model_config: str | Path | None = None, progress: bool = True, device: str = "auto") -> Path:
+    """`device`: where the TP x PP ranks run (runtime.spawn: GPUs when there is one per rank, else the CPU)."""
     hf_dir, out = Path(hf_dir), Path(out)
     _check_new_output(out)
     model = model_config_for_hf(hf_dir, model_config)
     parallel.check_model(model)
     HFCheckpoint(hf_dir)  # opens every shard: a missing file fails here
-    spawn(_hf_to_mcore_worker, parallel.model_parallel_size, str(hf_dir), str(out), model, parallel, dtype, progress)
+    spawn(_hf_to_mcore_worker, parallel.model_parallel_size, str(hf_dir), str(out), model, parallel, dtype, progress,
+          device=device)
     return out
 
 
@@ -105,15 +107,15 @@ def _hf_to_mcore_worker(hf_dir: str, out: str, model: ModelConfig, parallel: Par
 
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig | None = None,
-                progress: bool = True, max_shard_bytes: int = 5 * 2**30) -> Path:
+                progress: bool = True, max_shard_bytes: int = 5 * 2**30, device: str = "auto") -> Path:
     """Exports a checkpoint written by hf_to_mcore (at any layout) as an HF checkpoint; loads at `parallel`
-    (default TP=1, PP=1)."""
+    (default TP=1, PP=1), on `device` (as hf_to_mcore)."""
     ckpt, out, parallel = Path(ckpt), Path(out), parallel or ParallelConfig()
     _check_new_output(out)
     model, _ = read_metadata(ckpt)
     parallel.check_model(model)
     spawn(_mcore_to_hf_worker, parallel.model_parallel_size, str(ckpt), str(out), parallel, progress,
-          max_shard_bytes)
+          max_shard_bytes, device=device)
     return out
 
 

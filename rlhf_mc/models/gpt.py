@@ -1,13 +1,16 @@
 """Megatron-Core GPTModel for the current rank, from a ModelConfig and a ParallelConfig.
 
 Transformer Engine's layer spec when TE imports, Megatron's local spec otherwise (with our core attention, which adds
-context parallelism and packed sequences). One model chunk per virtual pipeline stage.
+context parallelism and packed sequences); the choice is logged once per process with its reason. Sequence
+parallelism is on with TE at TP > 1 (the local spec's norms would need apex). One model chunk per virtual pipeline
+stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Literal
 
 import torch
@@ -20,20 +23,33 @@ Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "full", "selective"]
 
 
+log = logging.getLogger(__name__)
+
+
 @functools.cache
-def te_available() -> bool:
-    """Whether Transformer Engine imports (with CUDA); everything else in the package works without it."""
+def layer_impl() -> tuple[bool, str]:
+    """(use Transformer Engine, why): TE when it imports with CUDA; everything else in the package works without
+    it. Logged once per process: a TE that fails to import on a GPU machine is a warning, not a silent fallback."""
     if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
+        use, why = False, "local layer spec: no CUDA device (Transformer Engine needs one)"
+    else:
+        try:
+            import transformer_engine
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as error:  # noqa: BLE001 - any failure means: not usable here
+            use, why = False, f"local layer spec: Transformer Engine does not import ({type(error).__name__}: {error})"
+        else:
+            use, why = True, f"Transformer Engine layer spec (transformer_engine {transformer_engine.__version__})"
+    (log.info if use or not torch.cuda.is_available() else log.warning)(why)
+    return use, why
+
+
+def te_available() -> bool:
+    return layer_impl()[0]
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
-                       recompute: Recompute = "none", init_weights: bool = True):
+                       recompute: Recompute = "none", init_weights: bool = True, use_te: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
@@ -59,7 +75,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
-        sequence_parallel=False,  # needs apex's LayerNorm on the local path
+        # The local spec's norms have no sequence-parallel form without apex: SP only with TE.
+        sequence_parallel=use_te and parallel.tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=dtype == "bfloat16",
@@ -114,8 +131,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     from megatron.core.transformer.module import Float16Module
 
     parallel.check_model(model)
-    config = transformer_config(model, parallel, dtype, recompute, init_weights)
-    spec = layer_spec(model, te_available() if use_te is None else use_te)
+    use_te = te_available() if use_te is None else use_te
+    config = transformer_config(model, parallel, dtype, recompute, init_weights, use_te)
+    spec = layer_spec(model, use_te)
     chunks = []
     for vp_stage in range(parallel.vpp):
         vp = vp_stage if parallel.vpp > 1 else None
@@ -151,5 +169,10 @@ class ValueHead(MegatronModule):
             config.init_method(self.weight)
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
-        # Same call signature and (output, bias) result as the vocabulary projection it replaces.
+        # Same call signature and (output, bias) result as the vocabulary projection it replaces, which gathers a
+        # sequence-parallel input over TP first: so does the head.
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden)
         return torch.nn.functional.linear(hidden, self.weight), None

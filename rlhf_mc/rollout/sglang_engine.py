@@ -93,7 +93,9 @@ def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> TensorPaylo
 
 
 class SGLangEngine:
-    def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None):
+    def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None, memory_saver: bool = False):
+        """`memory_saver`: launch with SGLang's memory saver (GPU), so release_memory frees device memory: for
+        engines that share their devices with the trainer."""
         if not cfg.addresses and not cfg.model_path:
             raise ConfigError("rollout.model_path: required unless rollout.addresses attaches to running servers")
         self.cfg = cfg
@@ -106,7 +108,7 @@ class SGLangEngine:
         else:
             for i in range(cfg.num_engines):
                 port = cfg.base_port + i if cfg.base_port else free_port()
-                self.servers.append(ServerProcess(i, cfg, port, self.log_dir))
+                self.servers.append(ServerProcess(i, cfg, port, self.log_dir, memory_saver))
             self.urls = [s.url for s in self.servers]
         self.versions = [LAUNCH_VERSION] * len(self.urls)  # weight version each engine holds
         self.released: list[set[str]] = [set() for _ in self.urls]  # memory tags each engine has released

@@ -60,8 +60,10 @@ def start_child(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
 
 
 class ServerProcess:
-    def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path):
-        self.index, self.cfg, self.port = index, cfg, port
+    def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path, memory_saver: bool = False):
+        """`memory_saver`: SGLang's --enable-memory-saver, which makes release_memory_occupation free GPU memory
+        (torch_memory_saver, CUDA only; on CPU a release frees nothing and the flag is left out)."""
+        self.index, self.cfg, self.port, self.memory_saver = index, cfg, port, memory_saver
         self.url = f"http://{cfg.host}:{port}"
         self.log_path = log_dir / f"sglang_engine{index}.log"
         self.proc: subprocess.Popen | None = None
@@ -85,6 +87,8 @@ class ServerProcess:
                 cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
             if cfg.mem_fraction_static is not None:
                 cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+            if self.memory_saver:
+                cmd += ["--enable-memory-saver"]
         return cmd + list(cfg.extra_args)
 
     def start(self) -> None:

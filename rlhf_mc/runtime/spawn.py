@@ -1,12 +1,17 @@
 """Runs a function on N local processes joined in one torch.distributed job (tests, tools, single-machine runs).
 
-Each process gets torchrun's environment, joins the default group (gloo on CPU, NCCL with GPUs), runs
+Each process gets torchrun's environment, joins the default group (NCCL with one GPU per rank, gloo on CPU), runs
 `fn(*args)`, and hands its return value back. A failing rank's traceback is raised in the caller; the other ranks are
 killed, so nothing lingers.
+
+Where: `device="auto"` takes one GPU per rank when the machine has enough, else runs every rank on the CPU (gloo; the
+GPUs hidden from the ranks): a TP=8 x PP=4 conversion runs on a machine with one GPU, or none.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 import socket
@@ -14,7 +19,7 @@ import time
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.multiprocessing as mp
@@ -65,16 +70,45 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
         distributed.destroy()
 
 
+def spawn_device(world_size: int, device: Literal["auto", "cuda", "cpu"] = "auto") -> str:
+    """Where `world_size` ranks run: "cuda" needs a GPU per rank."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cuda" and world_size > gpus:
+        raise ValueError(f"{world_size} ranks need {world_size} GPUs, this machine has {gpus}")
+    if device == "auto":
+        device = "cuda" if 0 < world_size <= gpus else "cpu"
+        if gpus and device == "cpu":
+            logging.getLogger(__name__).warning("%d ranks > %d GPUs: running them on the CPU (gloo)", world_size,
+                                                gpus)
+    return device
+
+
+@contextlib.contextmanager
+def _visible_devices(device: str):
+    """Processes started inside see no GPU when `device` is "cpu" (they inherit the environment at start)."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0,
-          skip_cpu_shims: tuple[str, ...] = ()) -> list[Any]:
+          skip_cpu_shims: tuple[str, ...] = (), device: Literal["auto", "cuda", "cpu"] = "auto") -> list[Any]:
     """Returns [fn's result on rank 0, ..., rank N-1]. `fn` must be importable (defined at module level)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="rlhf_mc_spawn_") as out_dir:
         port = free_port()
         procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, out_dir, args, skip_cpu_shims))
                  for rank in range(world_size)]
-        for p in procs:
-            p.start()
+        with _visible_devices(spawn_device(world_size, device)):
+            for p in procs:
+                p.start()
         try:
             _wait(procs, out_dir, timeout_s)
         finally:

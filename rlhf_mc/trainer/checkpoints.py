@@ -45,6 +45,19 @@ def resume_from(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
+def remove_incomplete(run_dir: Path) -> list[Path]:
+    """What a run killed while writing a checkpoint left: `.tmp` directories, and a critic part whose actor part
+    (written last) never completed. Removed before a run goes on, so the step can be saved again."""
+    root = run_dir / "checkpoints"
+    complete = {path.name for _, path in complete_checkpoints(run_dir)}
+    left = [path for path in (root.iterdir() if root.is_dir() else ())
+            if path.name.endswith(".tmp") or (path.name.endswith("_critic")
+                                              and path.name.removesuffix("_critic") not in complete)]
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    return left
+
+
 def prune(run_dir: Path, keep: int) -> None:
     for _, path in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(critic_dir(path), ignore_errors=True)

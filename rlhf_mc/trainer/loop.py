@@ -10,6 +10,7 @@ import logging
 import math
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.sync.weights import check_versions
 from rlhf_mc.trainer import checkpoints
+from rlhf_mc.trainer.colocation import ColocationSchedule
 from rlhf_mc.trainer.metrics import MetricsLogger, Timer
 from rlhf_mc.trainer.placement import Cluster
 from rlhf_mc.trainer.recipe import Plan, Recipe, model_config, resolve_path, to_dict
@@ -81,9 +83,9 @@ def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
 
 
 def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_config: dict, tokenizer_dir: str,
-            logger: MetricsLogger) -> None:
+            logger: MetricsLogger, stop: threading.Event) -> bool:
     """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
-    the result exported to `out` (HF)."""
+    the result exported to `out` (HF). False if `stop` ended it first (nothing exported)."""
     sft, data = recipe.sft, recipe.data
     examples = load_sft(resolve_path(sft.data_path), tokenizer, data.prompt_key, sft.response_key,
                         data.chat_template, data.max_prompt_length + data.max_response_length)
@@ -94,15 +96,20 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     rng = random.Random(recipe.trainer.seed)
     for step in range(sft.steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-        metrics = group.call("update", "sft", [ids for ids, _ in batch], [start for _, start in batch], {}, 1, 1,
-                             micro_batch_tokens=sft.micro_batch_tokens)[-1]
+        metrics = group.update("sft", [ids for ids, _ in batch], [start for _, start in batch], {}, mini_batches=1,
+                               micro_batch_tokens=sft.micro_batch_tokens)
         logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
+        if stop.is_set():
+            log.warning("SFT stopped at step %d, as asked", step)
+            return False
     group.call("export_hf", str(out), hf_config, tokenizer_dir)
     group.shutdown()
+    return True
 
 
-def rollout(cluster: Cluster, tokenizer, prompts: list[Prompt], sampling: SamplingParams):
-    samples = cluster.generate([p.ids for p in prompts], sampling)
+def rollout(cluster: Cluster, schedule: ColocationSchedule, tokenizer, prompts: list[Prompt],
+            sampling: SamplingParams):
+    samples = cluster.generate([p.ids for p in prompts], sampling, restore=schedule.restore_engine)
     texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
     return samples, texts
 
@@ -117,34 +124,36 @@ def score(scorer: RewardScorer | None, reward_model, prompts: list[Prompt], samp
     if reward_model is not None:
         # The score of a sequence is the head's output at its last token: the value "before" one appended token.
         seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
-        out = reward_model.gathered("forward", len(seqs), "values", [q + [0] for q in seqs], [len(q) for q in seqs])
+        out = reward_model.forward("values", [q + [0] for q in seqs], [len(q) for q in seqs])
         learned = [o["values"][0].item() for o in out]
         scores = [a + b for a, b in zip(scores, learned)]
         stats["reward/model_mean"] = sum(learned) / len(learned)
     return scores, stats
 
 
-def validate(recipe: Recipe, cluster: Cluster, tokenizer, rewards: tuple, prompts: list[Prompt]) -> dict:
+def validate(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, tokenizer, rewards: tuple,
+             prompts: list[Prompt]) -> dict:
     """Greedy accuracy (score >= reward.correct_score) and, with rollout.val_n > 1, pass@val_n over samples."""
     r, max_new = recipe.rollout, recipe.data.max_response_length
     eos = (tokenizer.eos_token_id,)
-    samples, texts = rollout(cluster, tokenizer, prompts, SamplingParams(temperature=0, max_new_tokens=max_new,
-                                                                         stop_token_ids=eos))
+    samples, texts = rollout(cluster, schedule, tokenizer, prompts,
+                             SamplingParams(temperature=0, max_new_tokens=max_new, stop_token_ids=eos))
     scores, _ = score(*rewards, prompts, samples, texts)
     correct = recipe.reward.correct_score
     out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
     if r.val_n > 1:
         sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=max_new, stop_token_ids=eos)
-        samples, texts = rollout(cluster, tokenizer, prompts, sampling)
+        samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
         scores, _ = score(*rewards, prompts, samples, texts)
         solved = {s.prompt_index for s, score in zip(samples, scores) if score >= correct}
         out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
     return out
 
 
-def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
-    """Runs the recipe; returns the last step's metrics."""
+def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: threading.Event | None = None) -> dict:
+    """Runs the recipe; returns the last step's metrics. `stop` set: the run ends after the step under way (logged;
+    a relaunch continues from the last checkpoint)."""
     from transformers import AutoTokenizer
 
     run_dir = Path(recipe.trainer.output_dir)
@@ -165,10 +174,13 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
     scorer = RewardScorer(recipe.reward.function, recipe.reward.kwargs, recipe.reward.timeout_s,
                           recipe.reward.failure_score, recipe.reward.workers) if recipe.reward.function else None
+    for path in checkpoints.remove_incomplete(run_dir):
+        log.warning("removed %s: an incomplete checkpoint (the run was stopped while writing it)", path)
     resume = checkpoints.resume_from(run_dir, recipe.trainer.resume)
     trainer_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {"step": 0}
     logger = MetricsLogger(run_dir, recipe.trainer.loggers, total_steps, trainer_state["step"], to_dict(recipe),
                            recipe.trainer.project, recipe.trainer.experiment)
+    stop = stop or threading.Event()
     cluster = Cluster(recipe, plan, address)
     try:
         nodes = cluster.bundle_nodes()
@@ -179,7 +191,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         init_hf = run_dir / "init_hf"
         if not init_hf.is_dir():
             if recipe.sft.data_path:
-                run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger)
+                if not run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger, stop):
+                    return logger.last
             elif recipe.model.path:
                 init_hf = resolve_path(recipe.model.path)
             else:
@@ -190,36 +203,45 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
             return logger.last
         addresses = cluster.start_engines(str(init_hf), run_dir / "logs")
         actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
-        actor.call("load_hf", str(init_hf))
-        if recipe.uses_reference:
-            actor.call("keep_reference")
-        actor.call("setup_optimizer", recipe.actor.optim)
+        reference = actor
+        if recipe.uses_reference and recipe.ref.placement == "separate":
+            reference = cluster.worker_group("ref", model, recipe.ref.parallel)
         critic = None
         if recipe.uses_critic:
             critic = cluster.worker_group("critic", model, recipe.critic.parallel, value_head=True,
                                           recompute=recipe.critic.recompute)
+        offloaded = [group for group, on in ((critic, recipe.critic.offload), (reference, recipe.ref.offload))
+                     if group is not None and group is not actor and on]
+        schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated)
+        schedule.engines_launched()
+        actor.call("load_hf", str(init_hf))
+        if recipe.uses_reference:
+            actor.call("keep_reference")
+        actor.call("setup_optimizer", recipe.actor.optim)
+        if reference is not actor:
+            reference.call("load_hf", str(init_hf))
+        if critic:
             critic.call("load_hf", str(init_hf))  # the value head starts from its own init
             critic.call("setup_optimizer", recipe.critic.optim)
         if resume:
-            trainer_state = actor.call("load", str(resume))[0]
+            trainer_state = actor.report("load", str(resume))
             if critic:
                 critic.call("load", str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
-        actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20)
-        step = trainer_state["step"]
-        actor.call("sync", step)  # the engines hold the actor's weights, version = step
-        reference = actor
-        if recipe.uses_reference and recipe.ref.placement == "separate":
-            reference = cluster.worker_group("ref", model, recipe.ref.parallel)
-            reference.call("load_hf", str(init_hf))
+        actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20,
+                   cluster.engine_ranks(), str(init_hf))
         reward_model = None
         if recipe.reward.model:
             reward_path = str(resolve_path(recipe.reward.model))
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.call("load_hf", reward_path, "score.weight")
-        metrics = _run_steps(recipe, cluster, actor, reference, critic, tokenizer, (scorer, reward_model),
-                             train_prompts, val_prompts, step, total_steps, logger, run_dir, dropped)
+        metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, (scorer, reward_model),
+                             train_prompts, val_prompts, trainer_state["step"], total_steps, logger, run_dir,
+                             dropped, stop)
+        if stop.is_set():
+            return metrics
+        schedule.finish()
         if recipe.trainer.export_hf:
             shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
             actor.call("export_hf", str(run_dir / "final_hf"), hf_config, tokenizer_dir)
@@ -229,8 +251,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None) -> dict:
         cluster.shutdown()
 
 
-def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts, step,
-               total_steps, logger, run_dir, dropped) -> dict:
+def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts,
+               step, total_steps, logger, run_dir, dropped, stop: threading.Event) -> dict:
     data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
     loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -238,29 +260,18 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
-    # Colocated: the training state leaves the devices while the engines generate (engines release theirs after).
-    offloaded = [group for group, on in ((actor, recipe.actor.offload), (critic, recipe.critic.offload),
-                                         (reference, recipe.ref.offload)) if group and on]
-    metrics: dict = {}
+    schedule.before_rollout(step, Timer())  # the engines hold the actor's weights, version = step
+    timer, metrics = Timer(), {}
     if val_prompts and step == 0:
-        logger.log(0, validate(recipe, cluster, tokenizer, rewards, val_prompts))
+        logger.log(0, validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
     while step < total_steps:
-        timer = Timer()
         with timer("step"):
             epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
             prompts = [train_prompts[i] for i in rows]
-            if offloaded:
-                with timer("offload"):
-                    for group in offloaded:
-                        group.call("offload")
             with timer("rollout"):
-                samples, texts = rollout(cluster, tokenizer, prompts, sampling)
+                samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
             check_versions(samples, step)
-            cluster.engines_call("release_memory")
-            if offloaded:
-                with timer("reload"):
-                    for group in offloaded:
-                        group.call("reload")
+            schedule.after_rollout(timer)
             kept = [i for i, s in enumerate(samples) if s.response_ids]  # prompts over the context get none
             samples, texts = [samples[i] for i in kept], [texts[i] for i in kept]
             with timer("reward"):
@@ -269,54 +280,62 @@ def _run_steps(recipe, cluster, actor, reference, critic, tokenizer, rewards, tr
             starts = [len(prompts[s.prompt_index].ids) for s in samples]
             per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
             with timer("old_logprob"):
-                out = actor.gathered("forward", len(seqs), "logprobs", seqs, starts, temperature, True,
-                                     recipe.actor.micro_batch_tokens)
+                out = actor.forward("logprobs", seqs, starts, temperature=temperature, with_entropy=True,
+                                    micro_batch_tokens=recipe.actor.micro_batch_tokens)
                 per_token["old_logprobs"] = [o["logprobs"] for o in out]
                 entropy = torch.cat([o["entropy"] for o in out])
             if recipe.uses_reference:
                 with timer("ref_logprob"):
                     # The reference's own worker group, or its weights swapped into the actor's modules.
                     kind = "ref_logprobs" if reference is actor else "logprobs"
-                    out = reference.gathered("forward", len(seqs), kind, seqs, starts, temperature, False,
-                                             recipe.actor.micro_batch_tokens)
+                    out = reference.forward(kind, seqs, starts, temperature=temperature,
+                                            micro_batch_tokens=recipe.actor.micro_batch_tokens)
                     per_token["ref_logprobs"] = [o["logprobs"] for o in out]
             if critic:
                 with timer("values"):
-                    out = critic.gathered("forward", len(seqs), "values", seqs, starts,
-                                          micro_batch_tokens=recipe.critic.micro_batch_tokens)
+                    out = critic.forward("values", seqs, starts, micro_batch_tokens=recipe.critic.micro_batch_tokens)
                     per_token["old_values"] = per_token["values"] = [o["values"] for o in out]
             with timer("advantages"):
                 per_token.update(advantages(recipe, scores, [s.prompt_index for s in samples], per_token))
             with timer("update_actor"):
-                actor_metrics = actor.call("update", "actor", seqs, starts, per_token, mini_batches,
-                                           recipe.actor.ppo_epochs, loss_cfg, temperature,
-                                           recipe.actor.micro_batch_tokens)[-1]
+                actor_metrics = actor.update("actor", seqs, starts, per_token, mini_batches,
+                                             epochs=recipe.actor.ppo_epochs, loss_cfg=loss_cfg,
+                                             temperature=temperature,
+                                             micro_batch_tokens=recipe.actor.micro_batch_tokens)
             critic_metrics = {}
             if critic:
                 with timer("update_critic"):
-                    critic_metrics = critic.call("update", "critic", seqs, starts, per_token, critic_mini_batches,
-                                                 recipe.critic.ppo_epochs, loss_cfg,
-                                                 micro_batch_tokens=recipe.critic.micro_batch_tokens,
-                                                 value_clip=recipe.critic.value_clip)[-1]
+                    critic_metrics = critic.update("critic", seqs, starts, per_token, critic_mini_batches,
+                                                   epochs=recipe.critic.ppo_epochs, loss_cfg=loss_cfg,
+                                                   micro_batch_tokens=recipe.critic.micro_batch_tokens,
+                                                   value_clip=recipe.critic.value_clip)
             step += 1
-            cluster.engines_call("resume_memory")
-            with timer("sync"):
-                sync_metrics = actor.call("sync", step)[0]
+            if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
+                with timer("save"):
+                    _save(actor, critic, run_dir, step, trainer.keep_checkpoints)
+            sync_metrics = schedule.before_rollout(step, timer)
         metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
                                 epoch, dropped, len(rows) * r.n - len(samples), recipe.reward.correct_score)
-        metrics.update(sync_metrics, **timer.times)
+        metrics.update(sync_metrics, **timer.times, **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
+        timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
-            metrics.update(validate(recipe, cluster, tokenizer, rewards, val_prompts))
+            metrics.update(validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
         logger.log(step, metrics)
         logger.advance()
-        if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
-            path = checkpoints.checkpoint_dir(run_dir, step)
-            if not path.exists():
-                if critic:  # first: the actor's trainer_state.json marks the checkpoint complete
-                    critic.call("save", str(checkpoints.critic_dir(path)))
-                actor.call("save", str(path), {"step": step})
-                checkpoints.prune(run_dir, trainer.keep_checkpoints)
+        if stop.is_set():
+            log.warning("stopped after step %d, as asked", step)
+            break
     return metrics
+
+
+def _save(actor, critic, run_dir: Path, step: int, keep: int) -> None:
+    path = checkpoints.checkpoint_dir(run_dir, step)
+    if path.exists():
+        return
+    if critic:  # first: the actor's trainer_state.json marks the checkpoint complete
+        critic.call("save", str(checkpoints.critic_dir(path)))
+    actor.call("save", str(path), {"step": step})
+    checkpoints.prune(run_dir, keep)
 
 
 def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,

@@ -1,37 +1,62 @@
-"""Ray placement: a local Ray instance or a cluster; one placement group with a bundle per device; Megatron worker
-groups (one Ray actor per rank, one rank per bundle) and SGLang engines (one Ray actor per engine, which launches
-the server on its node), colocated with the training ranks or on bundles of their own."""
+"""Ray placement: a local Ray instance or a cluster; one placement group with a bundle per device, ordered by node
+and GPU (device slot d is the d-th bundle in that order, so consecutive slots share a node); Megatron worker groups
+(one Ray actor per rank, rank r on slot r) and SGLang engines (one Ray actor per engine, which launches the server
+on its node), colocated with the training ranks or on slots of their own, or attached by address.
+
+Data goes to a worker group by reference: the driver splits a batch into the data-parallel shares, puts each into
+the object store once, and every rank of a data-parallel group fetches only its own share.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import signal
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
-from rlhf_mc.config import ModelConfig, ParallelConfig, RolloutConfig
+from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig
+from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.trainer.recipe import Plan, Recipe
+
+log = logging.getLogger("rlhf_mc.trainer")
 
 
 def start_ray(address: str | None, plan: Plan) -> None:
     """Joins the cluster at `address` (or RAY_ADDRESS); otherwise starts a local instance with one logical CPU per
-    device (ranks on a CPU machine take a CPU each, whatever the core count)."""
+    device (ranks on a CPU machine take a CPU each, whatever the core count). The caller's SIGTERM handler stays:
+    Ray's driver puts one in place that aborts the process, which would skip every clean-up."""
     import ray
 
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}}
     address = address or os.environ.get("RAY_ADDRESS")
+    on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
-        return
-    cpus = max(os.cpu_count() or 1, plan.devices + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
-             _temp_dir=os.environ.get("RLHF_MC_RAY_TMP"))
+    else:
+        cpus = max(os.cpu_count() or 1, plan.devices + 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
+                 _temp_dir=os.environ.get("RLHF_MC_RAY_TMP"))
+    if on_term is not None:
+        signal.signal(signal.SIGTERM, on_term)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """Where a rank sits in its group's Megatron layout, as the driver needs it."""
+
+    dp_rank: int
+    dp_size: int
+    reports: bool  # first TP and CP rank of the last pipeline stage: holds its data-parallel share's results
 
 
 class WorkerGroup:
-    """The ranks of one Megatron model (actor, critic or reference). Calls go to every rank and return every
-    rank's answer."""
+    """The ranks of one Megatron model (actor, critic, reference or reward model)."""
 
     def __init__(self, name: str, pg, bundles: list[int], model: ModelConfig, parallel: ParallelConfig, dtype: str,
                  seed: int, gpu: bool, recompute: str = "none", value_head: bool = False):
@@ -53,21 +78,57 @@ class WorkerGroup:
             rank, world, model, parallel, dtype, seed, recompute, value_head)
             for rank, b in enumerate(bundles)]
         master = ray.get(self.workers[0].store_address.remote())
-        self.call("start", master)
+        self.layout: list[RankLayout] = [RankLayout(**x) for x in self.call("start", master)]
+        self.dp = self.layout[0].dp_size
+        # The rank whose answer stands for the group (metrics reduced over data-parallel ranks): data-parallel
+        # rank 0's reporting rank.
+        self.reporter = next(r for r, x in enumerate(self.layout) if x.reports and x.dp_rank == 0)
 
     def call(self, method: str, *args, **kwargs) -> list:
+        """`method` on every rank with the same arguments; every rank's answer."""
         import ray
 
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
 
-    def gathered(self, method: str, n: int, *args, **kwargs) -> list:
-        """For methods answering (indices, per-sequence results) on reporting ranks: results in batch order."""
-        out: list = [None] * n
-        for answer in self.call(method, *args, **kwargs):
-            if answer is not None:
-                for i, value in zip(*answer):
+    def report(self, method: str, *args, **kwargs):
+        """`method` on every rank; the reporting rank's answer."""
+        return self.call(method, *args, **kwargs)[self.reporter]
+
+    def _by_share(self, method: str, shares: list, *args, **kwargs) -> list:
+        """`method(share, ...)` on every rank, each given its data-parallel rank's share (one object in the store,
+        fetched by the ranks of that data-parallel group only)."""
+        import ray
+
+        refs = [ray.put(share) for share in shares]
+        return ray.get([getattr(w, method).remote(refs[x.dp_rank], *args, **kwargs)
+                        for w, x in zip(self.workers, self.layout)])
+
+    def forward(self, kind: str, sequences: list[list[int]], starts: list[int], **kwargs) -> list[dict]:
+        """Per-sequence results of ModelWorker.forward (log-probs, reference log-probs or values) in batch order."""
+        shares = balance_across_ranks([len(s) for s in sequences], self.dp)
+        answers = self._by_share("forward", [{"sequences": [sequences[i] for i in share],
+                                              "starts": [starts[i] for i in share]} for share in shares],
+                                 kind, **kwargs)
+        out: list = [None] * len(sequences)
+        for x, answer in zip(self.layout, answers):
+            if x.reports:
+                for i, value in zip(shares[x.dp_rank], answer):
                     out[i] = value
         return out
+
+    def update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
+               mini_batches: int, **kwargs) -> dict:
+        """ModelWorker.update over `mini_batches` consecutive mini-batches of the batch (each split over the
+        data-parallel ranks); the metrics."""
+        n = len(sequences)
+        per_rank: list[list[dict]] = [[] for _ in range(self.dp)]
+        for m in range(mini_batches):
+            index = list(range(m * n // mini_batches, (m + 1) * n // mini_batches))
+            for d, share in enumerate(balance_across_ranks([len(sequences[i]) for i in index], self.dp)):
+                rows = [index[i] for i in share]
+                per_rank[d].append({"sequences": [sequences[i] for i in rows], "starts": [starts[i] for i in rows],
+                                    "per_token": {k: [v[i] for i in rows] for k, v in per_token.items()}})
+        return self._by_share("update", per_rank, kind, **kwargs)[self.reporter]
 
     def shutdown(self) -> None:
         import ray
@@ -77,23 +138,68 @@ class WorkerGroup:
 
 
 class EngineWorker:
-    """Owns one launched SGLang engine (restarts included) on its node."""
+    """Owns one SGLang engine on its node: launched (restarts included) or attached. A threaded Ray actor, so that
+    the driver can ask whether a restarted engine waits for weights while a generate call blocks on it."""
 
-    def __init__(self, cfg: RolloutConfig, log_dir: str, visible_devices: str | None):
-        import ray
-
+    def __init__(self, cfg: RolloutConfig, log_dir: str, visible_devices: str | None, host: str,
+                 colocated: bool = False):
         from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-        cfg = dataclasses.replace(cfg, num_engines=1, host=ray.util.get_node_ip_address())
-        self.engine = SGLangEngine(cfg, log_dir=log_dir)
+        self.engine = SGLangEngine(dataclasses.replace(cfg, num_engines=1, host=host), log_dir=log_dir,
+                                   memory_saver=colocated)
+        self.engine.on_restart = self._on_restart
+        self.stale = False  # restarted on its launch weights: needs the actor's before it serves again
+        self._generating = 0
+        self._restored = threading.Condition()
+        self._awaiting = False
 
     def address(self) -> str:
         return self.engine.urls[0].removeprefix("http://")
 
+    def _on_restart(self, engine: int) -> None:
+        """Runs after a restart. During a rollout the retried requests wait here until the driver has synced the
+        current weights into the engine (weights_restored); otherwise the next rollout restores it first."""
+        with self._restored:
+            self.stale = True
+            if not self._generating:
+                return
+            self._awaiting = True
+            deadline = time.monotonic() + self.engine.cfg.request_timeout_s
+            while self.stale and time.monotonic() < deadline:
+                self._restored.wait(1.0)
+            self._awaiting = False
+            if self.stale:
+                raise RuntimeError("a restarted engine waited for the actor's weights longer than "
+                                   f"rollout.engine.request_timeout_s={self.engine.cfg.request_timeout_s}")
+
+    def awaiting_weights(self) -> bool:
+        return self._awaiting
+
+    def is_stale(self) -> bool:
+        return self.stale
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.engine.stats)
+
+    def weights_restored(self) -> None:
+        with self._restored:
+            self.stale = False
+            self._restored.notify_all()
+
     def generate(self, prompts, sampling):
-        return self.engine.generate(prompts, sampling)
+        with self._restored:
+            self._generating += 1
+        try:
+            return self.engine.generate(prompts, sampling)
+        finally:
+            with self._restored:
+                self._generating -= 1
+
+    def recover(self) -> None:
+        """Restarts the server if it is dead (a failed weight update's cause)."""
+        self.engine._recover(0)
 
     def call(self, method: str, *args):
         return getattr(self.engine, method)(*args)
@@ -111,15 +217,49 @@ class Cluster:
         bundle = {"CPU": 1, **({"GPU": 1} if self.gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(plan.devices)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
-        self.train_bundles = list(range(plan.actor_world))
+        self.slots, self.slot_nodes, self.slot_ips, self.slot_gpus = self._order_bundles()
+        self._check_groups_on_one_node()
+        self.train_bundles = self.slots[:plan.actor_world]
         self.engines: list = []
 
-    def bundle_nodes(self) -> dict[int, str]:
-        """The Ray node id of each bundle (device), as placed."""
+    def _order_bundles(self) -> tuple[list[int], list[str], list[str], list[int | None]]:
+        """Bundles sorted by (node IP, node, GPU id), as slime does: slot d -> bundle, Ray node id, node IP, GPU."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        table = ray.util.placement_group_table(self.pg)
-        return {int(b): node for b, node in table["bundles_to_node_id"].items()}
+        def where():
+            ids = ray.get_gpu_ids()
+            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), \
+                int(ids[0]) if ids else None
+
+        probe = ray.remote(where)
+        found = ray.get([probe.options(num_cpus=0, num_gpus=0.01 if self.gpu else 0,
+                                       scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                           placement_group=self.pg, placement_group_bundle_index=b)).remote()
+                         for b in range(self.plan.devices)])
+
+        def key(b: int):
+            node, ip, gpu = found[b]
+            return tuple(int(x) if x.isdigit() else x for x in ip.replace(":", ".").split(".")), node, gpu or 0, b
+
+        order = sorted(range(self.plan.devices), key=key)
+        return order, *([found[b][i] for b in order] for i in range(3))
+
+    def _check_groups_on_one_node(self) -> None:
+        """Each TP group and each engine on one node, as the plan laid them out (Ray may pack nodes otherwise)."""
+        groups = [(f"{role} tensor-parallel group", range(start, start + tp))
+                  for role, tp, world in self.plan.tp_groups for start in range(0, world, tp)]
+        groups += [(f"rollout engine {e}", range(first, first + n)) for e, (first, n) in enumerate(self.plan.engines)]
+        for what, slots in groups:
+            nodes = {self.slot_nodes[s] for s in slots}
+            if len(nodes) > 1:
+                raise ConfigError(f"resources: Ray placed the {what} (devices {slots.start}-{slots.stop - 1}) on "
+                                  f"{len(nodes)} nodes {sorted(nodes)}; give every node resources.devices_per_node="
+                                  f"{self.recipe.resources.devices_per_node} GPUs")
+
+    def bundle_nodes(self) -> dict[int, str]:
+        """The Ray node id of each device slot, as placed."""
+        return dict(enumerate(self.slot_nodes))
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
                      recompute: str = "none") -> WorkerGroup:
@@ -127,49 +267,102 @@ class Cluster:
                            self.recipe.trainer.seed, self.gpu, recompute, value_head)
 
     def start_engines(self, model_path: str, log_dir: Path) -> list[str]:
-        """Launches the SGLang engines from an HF checkpoint; returns their addresses."""
+        """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses); returns
+        their addresses. Servers listen on 127.0.0.1 unless the run spans nodes."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path)
-        colocated = self.recipe.rollout.placement == "colocated"
-        first = 0 if colocated else self.plan.actor_world
         remote = ray.remote(EngineWorker).options
-        for e in range(cfg.num_engines):
-            bundle = first + e * cfg.tp
-            visible = None
-            if self.gpu:  # the engine's tp devices: the GPU ids Ray gave bundles [bundle, bundle + tp)
-                ids = ray.get([ray.remote(lambda: ray.get_gpu_ids()).options(
-                    num_cpus=0, num_gpus=0.01, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=b)).remote()
-                    for b in range(bundle, bundle + cfg.tp)])
-                visible = ",".join(str(int(i[0])) for i in ids)
-            self.engines.append(remote(num_cpus=0.05, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle)).remote(
-                cfg, str(log_dir / f"engine{e}"), visible))
+        if cfg.addresses:
+            self.engines = [remote(num_cpus=0, max_concurrency=8).remote(
+                dataclasses.replace(cfg, addresses=(address,)), str(log_dir / f"engine{e}"), None, cfg.host)
+                for e, address in enumerate(cfg.addresses)]
+            return ray.get([engine.address.remote() for engine in self.engines])
+        spans_nodes = len(set(self.slot_nodes)) > 1
+        for e, (first, n) in enumerate(self.plan.engines):
+            slots = range(first, first + n)
+            # The engine's devices: the GPUs of its slots, in TP rank order (rank i on slot first + i, the device of
+            # the trainer rank that feeds its payloads when colocated).
+            visible = ",".join(str(self.slot_gpus[s]) for s in slots) if self.gpu else None
+            host = self.slot_ips[first] if spans_nodes else "127.0.0.1"
+            engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                        placement_group_bundle_index=self.slots[first])
+            self.engines.append(remote(num_cpus=0.05, max_concurrency=8, scheduling_strategy=strategy).remote(
+                engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated))
         return ray.get([engine.address.remote() for engine in self.engines])
 
-    def generate(self, prompts: list[list[int]], sampling) -> list:
-        """Prompts dealt round-robin to the engines; samples in (prompt, sample) order."""
+    def engine_ranks(self) -> list[list[int]] | None:
+        """Colocated: the trainer ranks on each engine's devices (rank r sits on slot r), in its TP rank order."""
+        if self.recipe.rollout.placement != "colocated" or self.recipe.rollout.engine.addresses:
+            return None
+        return [list(range(first, first + n)) for first, n in self.plan.engines]
+
+    def generate(self, prompts: list[list[int]], sampling, restore: Callable[[int], None]) -> list:
+        """Prompts dealt round-robin to the engines; samples in (prompt, sample) order. `restore(e)` gives engine e
+        the actor's current weights: called for an engine restarted since the last sync before it serves, and for
+        one restarted during this rollout while its retried requests wait."""
         import ray
 
+        for e, stale in enumerate(ray.get([engine.is_stale.remote() for engine in self.engines])):
+            if stale:
+                self._restore(e, restore)
         shares = [list(range(e, len(prompts), len(self.engines))) for e in range(len(self.engines))]
-        answers = ray.get([engine.generate.remote([prompts[i] for i in share], sampling)
-                           for engine, share in zip(self.engines, shares) if share])
+        calls = {engine.generate.remote([prompts[i] for i in share], sampling): e
+                 for e, (engine, share) in enumerate(zip(self.engines, shares)) if share}
+        pending, answers = list(calls), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                answers[calls[ref]] = ray.get(ref)
+            if pending:
+                waiting = ray.get([self.engines[calls[ref]].awaiting_weights.remote() for ref in pending])
+                for ref, awaiting in zip(pending, waiting):
+                    if awaiting:
+                        self._restore(calls[ref], restore)
         samples = []
-        for share, answer in zip(shares, answers):
+        for e, answer in answers.items():
             for s in answer:
-                s.prompt_index = share[s.prompt_index]
+                s.prompt_index = shares[e][s.prompt_index]
                 samples.append(s)
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
+
+    def _restore(self, engine: int, restore: Callable[[int], None]) -> None:
+        log.warning("rollout engine %d was restarted: giving it the actor's current weights", engine)
+        restore(engine)  # ends with engines_synced([engine]): its waiting requests go on
 
     def engines_call(self, method: str, *args) -> list:
         import ray
 
         return ray.get([engine.call.remote(method, *args) for engine in self.engines])
 
+    def recover_engines(self, engines: list[int]) -> None:
+        """Restarts those of `engines` whose server died (the caller syncs them next)."""
+        import ray
+
+        ray.get([self.engines[e].recover.remote() for e in engines])
+
+    def engines_synced(self, engines: list[int] | None = None) -> None:
+        """The engines (default: all) hold the current weights: none of them waits to be restored."""
+        import ray
+
+        ray.get([self.engines[e].weights_restored.remote() for e in engines or range(len(self.engines))])
+
+    def engine_stats(self) -> dict[str, int]:
+        """Restarts and retried requests over all engines (since launch)."""
+        import ray
+
+        total = {"engine_restarts": 0, "request_retries": 0}
+        for stats in ray.get([engine.stats.remote() for engine in self.engines]):
+            for k, v in stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     def shutdown(self) -> None:
+        """Stops the engines (their servers first), then every Ray actor of the run: a local Ray instance with
+        them, a cluster's by ending this job."""
         import ray
 
         for engine in self.engines:
@@ -179,3 +372,5 @@ class Cluster:
                 pass
             ray.kill(engine)
         self.engines = []
+        ray.shutdown()
+

@@ -295,6 +295,9 @@ class Plan:
     max_sequence_tokens: int
     context_length: int
     sync_transport: str
+    colocated: bool  # launched engines share the training devices: the colocation schedule moves memory
+    tp_groups: list[tuple[str, int, int]]  # (role, tensor-parallel size, world) of each Megatron group
+    engines: list[tuple[int, int]]  # launched engines: (first device slot, TP size)
     placement: list[dict]  # one row per device: node, device index, roles
 
     def lines(self) -> list[str]:
@@ -306,7 +309,8 @@ class Plan:
                 f"epochs = {self.optimizer_steps_per_step} optimizer step(s); "
                 f"{self.sequences_per_mini_batch_per_rank} sequences per mini-batch per data-parallel rank",
                 f"longest sequence {self.max_sequence_tokens} tokens; engine context {self.context_length}; "
-                f"weight sync: {self.sync_transport}",
+                f"weight sync: {self.sync_transport}"
+                + ("; colocated: engines release their memory while the trainer works" if self.colocated else ""),
                 "placement:"]
         rows += [f"  node {p['node']} device {p['device']}: {', '.join(p['roles'])}" for p in self.placement]
         return rows
@@ -393,12 +397,37 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if context < longest + 2:
         raise ConfigError(f"rollout.engine.context_length: {context} is shorter than data.max_prompt_length + "
                           f"data.max_response_length + 2 = {longest + 2}")
+    attached = bool(engine.addresses)
     transport = recipe.rollout.sync_transport
     if transport == "auto":
-        transport = "tensor" if colocated else "distributed"
+        transport = "tensor" if colocated and not attached else "distributed"
     if transport == "tensor" and not colocated:
         raise ConfigError("rollout.sync_transport: tensor needs rollout.placement=colocated (tensors are handed "
                           "over by reference on one machine)")
+    if transport == "tensor" and attached:
+        raise ConfigError("rollout.sync_transport: tensor needs engines the trainer launches on its own devices; "
+                          "attached engines (rollout.engine.addresses) take distributed or disk")
+    # Megatron's tensor-parallel groups are consecutive ranks and device slots fill nodes in order: a group lies on
+    # one node when its size divides the devices per node. Engines likewise, wherever their slots start.
+    per_node = res.devices_per_node
+    tp_groups = [("actor", recipe.actor.parallel.tp, actor_world)]
+    if recipe.uses_critic:
+        tp_groups.append(("critic", recipe.critic.parallel.tp, critic_world))
+    if separate_ref:
+        tp_groups.append(("ref", recipe.ref.parallel.tp, ref_world))
+    if reward_world:
+        tp_groups.append(("reward", recipe.reward.parallel.tp, reward_world))
+    for role, tp, _ in tp_groups:
+        if per_node % tp:
+            raise ConfigError(f"{role}.parallel.tp: {tp} does not divide resources.devices_per_node={per_node}: a "
+                              "tensor-parallel group must lie on one node")
+    first = 0 if colocated else train_devices
+    engines = [] if attached else [(first + e * engine.tp, engine.tp) for e in range(engine.num_engines)]
+    for e, (start, tp) in enumerate(engines):
+        if start // per_node != (start + tp - 1) // per_node:
+            raise ConfigError(f"rollout.engine.tp: engine {e} (tp={tp}) would span devices {start}-{start + tp - 1}"
+                              f" on two nodes of resources.devices_per_node={per_node}; an engine must lie on one "
+                              "node")
     placement = []
     for d in range(devices):
         roles = []
@@ -421,7 +450,8 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 sequences_per_step=recipe.data.train_batch_size * recipe.rollout.n,
                 mini_batches_per_step=mini_batches, sequences_per_mini_batch_per_rank=per_rank,
                 optimizer_steps_per_step=mini_batches * epochs, max_sequence_tokens=longest, context_length=context,
-                sync_transport=transport, placement=placement)
+                sync_transport=transport, colocated=colocated and not attached, tp_groups=tp_groups, engines=engines,
+                placement=placement)
 
 
 def check_launch(recipe: Recipe) -> None:

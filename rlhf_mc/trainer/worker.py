@@ -1,6 +1,6 @@
-"""One rank of a Megatron model group (actor, critic or reference), run as a Ray actor. The driver sends every
-rank the whole batch; each rank takes its data-parallel share (the same balanced split on every rank), and the
-first model-parallel rank of each data-parallel group returns its results with their batch indices."""
+"""One rank of a Megatron model group (actor, critic, reference or reward model), run as a Ray actor. The driver
+hands each rank its data-parallel share (trainer/placement.py); the reporting rank of each data-parallel group
+(first TP and CP rank of the last pipeline stage) returns the results, in the share's order."""
 
 from __future__ import annotations
 
@@ -43,13 +43,19 @@ class ModelWorker:
         self.state = None  # TrainState once an optimizer is set up
         self.reference = None  # HostReference of the actor
         self.weight_sync = None
-        self.host_copy = []  # runtime.offload.Offloaded: host buffers of the training state, kept for reuse
+        # runtime.offload.Offloaded per part ("all", "weights", "optimizer"): what is in host memory now, and the
+        # host buffers kept for the next offload of that part
+        self.host_copy: dict[str, list] = {}
+        self.offloaded: list[str] = []
 
     def store_address(self) -> tuple[str, int]:
         return node_ip(), self._store.port
 
-    def start(self, master: tuple[str, int]) -> None:
-        """Joins the group's process group and builds this rank's model chunks."""
+    def start(self, master: tuple[str, int]) -> dict:
+        """Joins the group's process group and builds this rank's model chunks; returns the rank's layout
+        (placement.RankLayout's fields)."""
+        from megatron.core import parallel_state as ps
+
         from rlhf_mc.models.gpt import build_model
         from rlhf_mc.runtime import init_distributed, init_parallel
 
@@ -61,6 +67,8 @@ class ModelWorker:
         init_distributed(store=self._store)
         init_parallel(parallel, seed=seed)
         self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
+        return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+                "reports": self._reports()}
 
     # ------------------------------------------------------------ weights, optimizer, checkpoints
 
@@ -114,27 +122,40 @@ class ModelWorker:
 
         write_hf_export(self.chunks, self.model, path, config, Path(tokenizer_dir) if tokenizer_dir else None)
 
-    def offload(self) -> None:
-        """Parameters, gradients and optimizer state to host memory (while the engines generate)."""
-        from rlhf_mc.runtime.offload import offload, training_tensors
+    def offload(self, part: str = "all") -> None:
+        """Moves `part` of the training state to host memory (runtime.offload.offload_training_state): "all",
+        "optimizer" (gradients and optimizer state) or "weights"."""
+        from rlhf_mc.runtime.offload import offload_training_state
 
-        self.host_copy = offload(training_tensors(self.chunks, self.state.optimizer if self.state else None),
-                                 reuse=self.host_copy)
+        self.host_copy[part] = offload_training_state(self.chunks, self.state.optimizer if self.state else None, part,
+                                                      reuse=self.host_copy.get(part, []))
+        self.offloaded.append(part)
 
-    def reload(self) -> None:
+    def reload(self, part: str | None = None) -> None:
+        """Brings back `part` (default: everything offloaded)."""
         from rlhf_mc.runtime.offload import reload
 
-        reload(self.host_copy)
+        for p in [part] if part else self.offloaded[::-1]:
+            reload(self.host_copy[p])
+            self.offloaded.remove(p)
 
-    # ------------------------------------------------------------ data-parallel shares
+    # ------------------------------------------------------------ forward and updates on this rank's share
 
-    def _share(self, sequences: list[list[int]]) -> list[int]:
-        from megatron.core import parallel_state as ps
+    def forward(self, share: dict, kind: str, temperature: float = 1.0, with_entropy: bool = False,
+                micro_batch_tokens: int = 8192) -> list[dict] | None:
+        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values", of
+        share["sequences"] from share["starts"]."""
+        from rlhf_mc.workers.policy import compute_log_prob, compute_values
 
-        from rlhf_mc.data.microbatch import balance_across_ranks
-
-        shares = balance_across_ranks([len(s) for s in sequences], ps.get_data_parallel_world_size())
-        return shares[ps.get_data_parallel_rank()]
+        seqs, starts = [torch.tensor(s) for s in share["sequences"]], share["starts"]
+        if kind == "values":
+            out = compute_values(self.chunks, seqs, starts, micro_batch_tokens)
+        elif kind == "ref_logprobs":
+            with self.reference.swapped_in(self.chunks):
+                out = compute_log_prob(self.chunks, seqs, starts, temperature, with_entropy, micro_batch_tokens)
+        else:
+            out = compute_log_prob(self.chunks, seqs, starts, temperature, with_entropy, micro_batch_tokens)
+        return out if self._reports() else None
 
     def _reports(self) -> bool:
         from megatron.core import parallel_state as ps
@@ -142,67 +163,47 @@ class ModelWorker:
         return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
                 and ps.is_pipeline_last_stage(ignore_virtual=True))
 
-    def forward(self, kind: str, sequences: list[list[int]], starts: list[int], temperature: float = 1.0,
-                with_entropy: bool = False, micro_batch_tokens: int = 8192) -> tuple[list[int], list[dict]] | None:
-        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values"."""
-        from rlhf_mc.workers.policy import compute_log_prob, compute_values
-
-        mine = self._share(sequences)
-        seqs, st = [torch.tensor(sequences[i]) for i in mine], [starts[i] for i in mine]
-        if kind == "values":
-            out = compute_values(self.chunks, seqs, st, micro_batch_tokens)
-        elif kind == "ref_logprobs":
-            with self.reference.swapped_in(self.chunks):
-                out = compute_log_prob(self.chunks, seqs, st, temperature, with_entropy, micro_batch_tokens)
-        else:
-            out = compute_log_prob(self.chunks, seqs, st, temperature, with_entropy, micro_batch_tokens)
-        return (mine, out) if self._reports() else None
-
-    # ------------------------------------------------------------ updates
-
-    def update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
-               mini_batches: int, epochs: int, loss_cfg=None, temperature: float = 1.0,
+    def update(self, mini_batches: list[dict], kind: str, epochs: int = 1, loss_cfg=None, temperature: float = 1.0,
                micro_batch_tokens: int = 8192, value_clip: float = 0.2) -> dict:
-        """kind: "actor" (policy loss), "critic" (value loss) or "sft". The batch is cut into `mini_batches`
-        consecutive mini-batches (one optimizer step each), `epochs` times; returns the metrics averaged over the
-        optimizer steps."""
+        """kind: "actor" (policy loss), "critic" (value loss) or "sft". One optimizer step per mini-batch (this
+        rank's share of it: "sequences", "starts", "per_token"), `epochs` times; returns the metrics averaged over
+        the optimizer steps."""
         from rlhf_mc.workers.train import critic_train_step, sft_step, train_step
 
-        n = len(sequences)
         totals: dict[str, float] = {}
         for _ in range(epochs):
-            for m in range(mini_batches):
-                index = list(range(m * n // mini_batches, (m + 1) * n // mini_batches))
-                sub = [sequences[i] for i in index]
-                mine = [index[i] for i in self._share(sub)]
-                seqs, st = [torch.tensor(sequences[i]) for i in mine], [starts[i] for i in mine]
-                pt = {k: [v[i] for i in mine] for k, v in per_token.items()}
+            for mb in mini_batches:
+                seqs, starts, pt = [torch.tensor(s) for s in mb["sequences"]], mb["starts"], mb["per_token"]
                 if kind == "actor":
-                    metrics = train_step(self.state, seqs, st, pt, loss_cfg, temperature, micro_batch_tokens)
+                    metrics = train_step(self.state, seqs, starts, pt, loss_cfg, temperature, micro_batch_tokens)
                 elif kind == "critic":
-                    metrics = critic_train_step(self.state, seqs, st, pt, value_clip, loss_cfg.aggregation,
+                    metrics = critic_train_step(self.state, seqs, starts, pt, value_clip, loss_cfg.aggregation,
                                                 micro_batch_tokens)
                 else:
-                    metrics = sft_step(self.state, seqs, st, micro_batch_tokens)
+                    metrics = sft_step(self.state, seqs, starts, micro_batch_tokens)
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
-        steps = mini_batches * epochs
+        steps = len(mini_batches) * epochs
         return {k: v / steps for k, v in totals.items()}
 
     # ------------------------------------------------------------ weight sync
 
-    def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int) -> None:
-        from rlhf_mc.config import RolloutConfig
-        from rlhf_mc.rollout.sglang_engine import SGLangEngine
+    def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
+                        engine_ranks: list[list[int]] | None, config_from: str) -> None:
+        """The weight sync to the engines at `addresses` (sync/transports.py; collective over the group)."""
+        from rlhf_mc.sync.transports import connect
         from rlhf_mc.sync.weights import WeightSync
 
-        engine = None
-        if torch.distributed.get_rank() == 0:
-            engine = SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
         master = node_ip() if transport == "distributed" else "127.0.0.1"
-        self.weight_sync = WeightSync(self.chunks, self.model, engine, transport, bucket_bytes, master_address=master)
+        self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
+                                                                       config_from), bucket_bytes)
 
-    def sync(self, version: int) -> dict | None:
-        stats = self.weight_sync.sync(self.chunks, version)
-        return None if stats is None else {"sync/seconds": stats.seconds, "sync/bytes": stats.bytes,
-                                           "sync/peak_extra_mb": stats.peak_extra_mb}
+    def reconnect_engines(self) -> None:
+        """After engines were restarted: a broadcast transport forms its group with them again."""
+        reconnect = getattr(self.weight_sync.transport, "reconnect", None)
+        if reconnect is not None:
+            reconnect()
+
+    def sync(self, version: int, engines: list[int] | None = None):
+        """sync.weights.SyncStats of this rank."""
+        return self.weight_sync.sync(self.chunks, version, engines)

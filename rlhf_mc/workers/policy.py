@@ -16,19 +16,23 @@ from rlhf_mc.data.microbatch import micro_batches_by_tokens
 from rlhf_mc.data.packing import pack
 
 
-def _pad_multiple(parallel_cp: int) -> int:
-    return 2 * parallel_cp if parallel_cp > 1 else 1
+def pad_multiple(config) -> int:
+    """What each packed sequence's length must be a multiple of, for a model's TransformerConfig: 2*cp with context
+    parallelism (its load-balanced split cuts a sequence into 2*cp chunks), times tp with sequence parallelism (the
+    sequence is split over the TP ranks)."""
+    cp = config.context_parallel_size
+    multiple = 2 * cp if cp > 1 else 1
+    return multiple * config.tensor_model_parallel_size if config.sequence_parallel else multiple
 
 
 def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, cp: int, cp_rank: int,
-                       interleaved_pp: int, device) -> tuple[list[dict], list[list[int]]]:
+                       interleaved_pp: int, device, multiple: int = 1) -> tuple[list[dict], list[list[int]]]:
     """Packed micro-batches (this CP rank's part) and the sequence indices in each. For the interleaved (virtual)
     pipeline schedule over `interleaved_pp` stages (0: not interleaved), every pack is padded to the longest one by
     a trailing dummy sequence, and packs of padding only are added until their number is a multiple of the stages
     (both the schedule's requirements)."""
     from rlhf_mc.models.context_parallel import split_for_cp
 
-    multiple = _pad_multiple(cp)
     padded = [-(-len(s) // multiple) * multiple for s in sequences]
     groups = micro_batches_by_tokens(padded, micro_batch_tokens)
     packs = []
@@ -84,7 +88,8 @@ def forward_per_token(chunks: list[torch.nn.Module], sequences: list[torch.Tenso
             raise ValueError(f"response_start {start} must lie in [1, {len(seq)}) for a sequence of {len(seq)}")
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
-    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
+    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
+                                              pad_multiple(chunks[0].config))
     cp_group = ps.get_context_parallel_group()
 
     def per_token(mb, output):

@@ -41,7 +41,7 @@ def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, tota
 
 def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[int],
                           per_token: dict[str, list[torch.Tensor]], aggregation: str, micro_batch_tokens: int,
-                          interleaved: bool) -> list[dict]:
+                          config, interleaved: bool) -> list[dict]:
     """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field plus the
     aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits predict the
     response tokens (position t carries the values for token t + 1)."""
@@ -49,7 +49,7 @@ def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[i
 
     from rlhf_mc.models.context_parallel import split_for_cp
     from rlhf_mc.runtime import device
-    from rlhf_mc.workers.policy import build_microbatches
+    from rlhf_mc.workers.policy import build_microbatches, pad_multiple
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     lengths = [len(s) - start for s, start in zip(sequences, response_starts)]
@@ -57,7 +57,8 @@ def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[i
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
     weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]))
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
-    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device())
+    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
+                                              pad_multiple(config))
     for mb, group in zip(microbatches, groups):
         aligned = {k: [] for k in [*per_token, "weight", "segment"]}
         packed = mb["packed"]
@@ -109,7 +110,7 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
     microbatches = _aligned_microbatches(sequences, response_starts, per_token, cfg.aggregation, micro_batch_tokens,
-                                         interleaved=len(state.model) > 1)
+                                         config=state.model[0].config, interleaved=len(state.model) > 1)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
 
     def loss_fn(mb, logits):
@@ -149,7 +150,7 @@ def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response
     """Critic step (a model built with value_head=True): clipped value loss against "returns", around
     "old_values" (per sequence, per response token)."""
     microbatches = _aligned_microbatches(sequences, response_starts, per_token, aggregation, micro_batch_tokens,
-                                         interleaved=len(state.model) > 1)
+                                         config=state.model[0].config, interleaved=len(state.model) > 1)
 
     def loss_fn(mb, output):
         w = mb["weight"]
@@ -170,7 +171,7 @@ def sft_step(state: TrainState, sequences: list[torch.Tensor], response_starts: 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
     microbatches = _aligned_microbatches(sequences, response_starts, {}, "token-mean", micro_batch_tokens,
-                                         interleaved=len(state.model) > 1)
+                                         config=state.model[0].config, interleaved=len(state.model) > 1)
     tp_group = ps.get_tensor_model_parallel_group()
 
     def loss_fn(mb, logits):

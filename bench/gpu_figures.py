@@ -1,0 +1,211 @@
+"""The GPU figures, each against a baseline measured in the same run (JSON lines; tools/gpu_check.sh runs it on a
+lent GPU machine: one GPU, no SGLang, Ray or Transformer Engine needed):
+
+- matmul: bf16 8192^3 TFLOP/s, the peak that MFU figures divide by;
+- train_step: Qwen3-0.6B (bf16, Megatron-Core on CUDA) SFT-step tokens/s and MFU (6 x params x tokens, plus
+  attention, over the matmul peak);
+- logprob_memory: peak device memory of compute_log_prob over one long sequence against the bytes of its full fp32
+  logits (what a log_softmax over the whole vocabulary holds);
+- offload: seconds to move the training state to pinned host memory and back, GB/s, and the device memory freed
+  (torch.cuda.mem_get_info) against the state's bytes;
+- ipc_handover: a flattened weight bucket handed to another process over CUDA IPC and copied into its own tensor
+  there (what an engine does with a colocated sync payload) against a device-to-device copy of the same bytes.
+
+    python bench/gpu_figures.py [--only NAME ...] [--context 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit  # noqa: E402
+from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
+from rlhf_mc.runtime.spawn import spawn  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_06B = ModelConfig.from_yaml(REPO / "model_configs" / "qwen3-0.6b.yaml")
+
+
+def _timed(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak() -> float:
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return 2 * 8192**3 / _timed(lambda: a @ b, 10, 3)
+
+
+def _flops_per_token(model: ModelConfig, seq: int) -> float:
+    """Forward + backward (x3 the forward): 2 x parameters of the matmuls, plus attention scores and values."""
+    h, layers = model.hidden_size, model.num_layers
+    q, kv = model.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    per_layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * model.ffn_hidden_size) + 2 * 2 * q * seq / 2  # causal
+    return 3 * (layers * per_layer + 2 * h * model.vocab_size)
+
+
+def train_step(seq: int, batch: int, steps: int) -> dict:
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.train import sft_step
+
+    init_parallel(ParallelConfig(), seed=0)
+    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    state = setup_training(chunks, OptimizerConfig(lr=1e-5))
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, QWEN3_06B.vocab_size, (seq,), generator=g) for _ in range(batch)]
+    seconds = _timed(lambda: sft_step(state, data, [seq // 2] * batch, seq * 2), steps, 1)
+    tokens = seq * batch
+    return {"tokens_per_s": tokens / seconds, "flops_per_s": tokens * _flops_per_token(QWEN3_06B, seq) / seconds,
+            "params": sum(p.numel() for p in chunks[0].parameters()), "seconds": seconds}
+
+
+def logprob_memory(context: int) -> dict:
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+
+    init_parallel(ParallelConfig(), seed=0)
+    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    seq = torch.randint(0, QWEN3_06B.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    compute_log_prob(chunks, [seq], [1], micro_batch_tokens=context)
+    torch.cuda.synchronize()
+    return {"peak_extra_bytes": torch.cuda.max_memory_allocated() - base, "seconds": time.perf_counter() - start,
+            "full_logits_bytes": context * QWEN3_06B.vocab_size * 4}
+
+
+def offload_figures() -> dict:
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.runtime.offload import offload_training_state, reload
+    from rlhf_mc.workers.train import sft_step
+
+    init_parallel(ParallelConfig(), seed=0)
+    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    state = setup_training(chunks, OptimizerConfig(lr=1e-5))
+    sft_step(state, [torch.randint(0, QWEN3_06B.vocab_size, (1024,)) for _ in range(2)], [512] * 2, 2048)
+    saved, out = [], {"offload_s": [], "reload_s": [], "freed": []}
+    for _ in range(3):
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        saved = offload_training_state(chunks, state.optimizer, "all", reuse=saved)
+        out["offload_s"].append(time.perf_counter() - start)
+        out["freed"].append(torch.cuda.mem_get_info()[0] - free)
+        start = time.perf_counter()
+        reload(saved)
+        out["reload_s"].append(time.perf_counter() - start)
+    copied = sum(nbytes for _, nbytes, host in saved if host is not None)
+    return {"state_bytes": sum(nbytes for _, nbytes, _ in saved), "copied_bytes": copied,
+            "freed_bytes": min(out["freed"]), "offload_s": statistics.median(out["offload_s"][1:]),
+            "first_offload_s": out["offload_s"][0], "reload_s": statistics.median(out["reload_s"])}
+
+
+def _ipc_receiver(queue, done) -> None:
+    torch.cuda.set_device(0)
+    while True:
+        item = queue.get()
+        if item is None:
+            return
+        flat = item
+        target = torch.empty_like(flat)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        target.copy_(flat)
+        torch.cuda.synchronize()
+        done.put(time.perf_counter() - start)
+        del flat, item
+
+
+def ipc_handover(mb: int, repeats: int) -> dict:
+    """Sender-side seconds from handing the bucket over to the receiver's copy being done, vs a local copy."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_receiver, args=(queue, done))
+    proc.start()
+    total, copies = [], []
+    try:
+        for _ in range(repeats + 1):
+            flat = torch.randint(0, 255, (mb * 2**20,), dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            queue.put(flat)
+            copies.append(done.get(timeout=120))
+            total.append(time.perf_counter() - start)
+            del flat
+            torch.cuda.ipc_collect()
+    finally:
+        queue.put(None)
+        proc.join(timeout=60)
+    source = torch.randint(0, 255, (mb * 2**20,), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    local = _timed(lambda: target.copy_(source), repeats)
+    return {"handover_s": statistics.median(total[1:]), "receiver_copy_s": statistics.median(copies[1:]),
+            "local_copy_s": local, "bytes": mb * 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=["matmul", "train_step", "logprob_memory", "offload",
+                                                      "ipc_handover"])
+    parser.add_argument("--context", type=int, default=32768)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        emit(bench="gpu_figures", skipped="no CUDA device")
+        return
+    emit(bench="gpu_figures", figure="device", name=torch.cuda.get_device_name(), torch=torch.__version__,
+         megatron_core=__import__("megatron.core").core.__version__)
+    peak = matmul_peak()
+    if "matmul" in args.only:
+        emit(bench="gpu_figures", figure="matmul_bf16_tflops", value=round(peak / 1e12, 1))
+    if "train_step" in args.only:
+        (r,) = spawn(train_step, 1, 4096, 8, 5, device="cuda")
+        emit(bench="gpu_figures", figure="train_step_tokens_per_s", model="qwen3-0.6b", params=r["params"],
+             seq=4096, batch=8, value=round(r["tokens_per_s"]), mfu=round(r["flops_per_s"] / peak, 3),
+             baseline="matmul peak", peak_tflops=round(peak / 1e12, 1))
+    if "logprob_memory" in args.only:
+        (r,) = spawn(logprob_memory, 1, args.context, device="cuda")
+        emit(bench="gpu_figures", figure="logprob_peak_memory_mb", context=args.context,
+             value=round(r["peak_extra_bytes"] / 2**20), baseline=round(r["full_logits_bytes"] / 2**20),
+             ratio=round(r["peak_extra_bytes"] / r["full_logits_bytes"], 3), seconds=round(r["seconds"], 2))
+    if "offload" in args.only:
+        (r,) = spawn(offload_figures, 1, device="cuda")
+        emit(bench="gpu_figures", figure="offload_freed_mb", value=round(r["freed_bytes"] / 2**20),
+             baseline=round(r["state_bytes"] / 2**20), ratio=round(r["freed_bytes"] / r["state_bytes"], 3))
+        emit(bench="gpu_figures", figure="offload_seconds", offload=round(r["offload_s"], 3),
+             reload=round(r["reload_s"], 3), first_offload=round(r["first_offload_s"], 3),
+             gb_per_s=round(r["copied_bytes"] / 2**30 / r["offload_s"], 1))
+    if "ipc_handover" in args.only:
+        r = ipc_handover(1024, 5)
+        gb = r["bytes"] / 2**30
+        emit(bench="gpu_figures", figure="ipc_handover_gb_per_s", value=round(gb / r["handover_s"], 1),
+             baseline=round(gb / r["local_copy_s"], 1), ratio=round(r["local_copy_s"] / r["handover_s"], 3),
+             receiver_copy_gb_per_s=round(gb / r["receiver_copy_s"], 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The memory moves around weight sync and rollout when the trainer and the engines share devices, in one place.
+
+Colocated order (slime's, with verl's split of the engine's resume), from the end of an update to the next one:
+  offload gradients + optimizer state (actor.offload), and the whole state of the other offloaded groups
+  -> resume the engines' weights -> sync -> offload the actor's weights (actor.offload) -> resume the engines' KV
+  cache -> rollout -> release the engines' memory -> reload what was offloaded.
+So the training state and the engines' memory are never on a device together: the sync meets the engines' weights
+with the actor's weights only, the rollout meets the KV cache with nothing of the trainer's. Disaggregated placement
+(or attached engines): only the sync.
+
+Engine failures: a sync that fails on an engine restarts that engine and syncs it again; an engine restarted since
+the last sync, or during a rollout, is given the actor's current weights before it serves (restore_engine).
+"""
+
+from __future__ import annotations
+
+from rlhf_mc.rollout.sglang_engine import KV_CACHE_TAGS, WEIGHTS_TAGS
+from rlhf_mc.trainer.metrics import Timer
+from rlhf_mc.trainer.placement import Cluster, WorkerGroup
+
+
+class ColocationSchedule:
+    def __init__(self, cluster: Cluster, actor: WorkerGroup, actor_offload: bool, offloaded: list[WorkerGroup],
+                 colocated: bool):
+        """`offloaded`: the other groups (critic, separate reference) whose whole state leaves the devices."""
+        self.cluster, self.actor, self.actor_offload = cluster, actor, actor_offload and colocated
+        self.offloaded = offloaded if colocated else []
+        self.colocated = colocated
+        self.version = None  # the weights the engines hold (or are being given)
+
+    def engines_launched(self) -> None:
+        """Right after the engines start: they give their memory back until the first sync wants it."""
+        if self.colocated:
+            self.cluster.engines_call("release_memory")
+
+    def before_rollout(self, version: int, timer: Timer) -> dict:
+        """After an update (or at the start): everything up to the rollout. Returns the sync's metrics."""
+        if self.colocated:
+            with timer("offload"):
+                if self.actor_offload:
+                    self.actor.call("offload", "optimizer")
+                for group in self.offloaded:
+                    group.call("offload", "all")
+            self.cluster.engines_call("resume_memory", WEIGHTS_TAGS)
+        with timer("sync"):
+            metrics = self._sync(version)
+        if self.colocated:
+            if self.actor_offload:
+                with timer("offload"):
+                    self.actor.call("offload", "weights")
+            self.cluster.engines_call("resume_memory", KV_CACHE_TAGS)
+        return metrics
+
+    def after_rollout(self, timer: Timer) -> None:
+        if self.colocated:
+            self.cluster.engines_call("release_memory")
+            with timer("reload"):
+                if self.actor_offload:
+                    self.actor.call("reload")
+                for group in self.offloaded:
+                    group.call("reload")
+
+    def finish(self) -> None:
+        """After the last step: the training state back on the devices (for the final export)."""
+        if self.actor_offload:
+            self.actor.call("reload")
+        for group in self.offloaded:
+            group.call("reload")
+
+    def restore_engine(self, engine: int) -> None:
+        """A restarted engine gets the weights of the current version (the actor's own come back from host memory
+        for the time it takes)."""
+        if self.actor_offload:
+            self.actor.call("reload", "weights")
+        try:
+            self._sync(self.version, [engine])
+        finally:
+            if self.actor_offload:
+                self.actor.call("offload", "weights")
+
+    def _sync(self, version: int, engines: list[int] | None = None) -> dict:
+        """The actor's weights into the engines (or `engines`); an engine that fails is restarted and synced again,
+        once. Returns rank 0's figures, the largest peak over ranks, the engines' restart count."""
+        self.version = version
+        stats = self.actor.call("sync", version, engines)
+        failed = {e: error for s in stats for e, error in s.failed.items()}
+        if failed:
+            self.cluster.recover_engines(sorted(failed))
+            self.actor.call("reconnect_engines")
+            again = self.actor.call("sync", version, sorted(failed))
+            still = {e: error for s in again for e, error in s.failed.items()}
+            if still:
+                raise RuntimeError(f"weight sync to version {version} failed on engines {still} after a restart")
+        self.cluster.engines_synced(engines)
+        first = stats[0]
+        return {"sync/seconds": first.seconds, "sync/bytes": first.bytes,
+                "sync/peak_extra_mb": max(s.peak_extra_mb for s in stats), "sync/failed_engines": len(failed)}

@@ -1,0 +1,63 @@
+"""The Transformer Engine layer spec against the local spec (same weights, fp32): equal logits at TP=1, and at TP=2
+with sequence parallelism (on with TE at TP > 1) through the packed log-prob path (sequences padded to a multiple of
+TP). Runs where TE imports (GPU machines, the Docker image); skipped elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_mc.config import ModelConfig, ParallelConfig
+from rlhf_mc.models.gpt import te_available
+from rlhf_mc.runtime.spawn import spawn
+from tests.gpu.conftest import gpus
+
+pytestmark = pytest.mark.skipif(not te_available(),
+                                reason="Transformer Engine does not import here (it needs CUDA): TE spec not testable")
+MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[2] / "model_configs" / "tiny-qwen3.yaml")
+
+
+def _logits(use_te: bool, ckpt: str, save: bool) -> torch.Tensor:
+    from rlhf_mc.models.checkpoint import load_model, save_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import device, init_parallel
+
+    init_parallel(ParallelConfig(), seed=3)
+    chunks = build_model(MODEL, ParallelConfig(), use_te=use_te)
+    (save_model if save else load_model)(chunks, Path(ckpt) / "weights")
+    (model,) = chunks
+    tokens = torch.randint(0, MODEL.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(device())
+    with torch.no_grad():
+        return model(tokens, torch.arange(32, device=device()).expand(2, 32), None).float().cpu()
+
+
+def test_te_spec_matches_local_spec(tmp_path):
+    (local,) = spawn(_logits, 1, False, str(tmp_path), True)
+    (te,) = spawn(_logits, 1, True, str(tmp_path), False)
+    assert (local - te).abs().max().item() < 1e-4
+
+
+def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
+    from rlhf_mc.models.checkpoint import load_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+
+    init_parallel(ParallelConfig(tp=tp), seed=3)
+    chunks = build_model(MODEL, ParallelConfig(tp=tp), use_te=use_te)
+    assert chunks[0].config.sequence_parallel == (use_te and tp > 1)
+    load_model(chunks, Path(ckpt) / "weights")
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in (13, 30, 7)]  # lengths not multiples of tp
+    return [o["logprobs"].cpu() for o in compute_log_prob(chunks, seqs, [3, 10, 2])]
+
+
+@pytest.mark.skipif(gpus() < 2, reason="TP=2 needs two GPUs")
+def test_sequence_parallel_te_spec_matches_local_spec(tmp_path):
+    spawn(_logits, 1, False, str(tmp_path), True)  # writes the weights
+    local = spawn(_logprobs, 1, 1, False, str(tmp_path))[0]
+    sequence_parallel = spawn(_logprobs, 2, 2, True, str(tmp_path))[0]
+    for a, b in zip(local, sequence_parallel):
+        assert (a - b).abs().max().item() < 1e-4
