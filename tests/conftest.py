@@ -46,7 +46,7 @@ def sglang_engine(tiny_hf_model, tmp_path_factory):
     from rlhf_mc.config import RolloutConfig
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), dtype="float32", max_restarts=2),
+    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), dtype="float32", max_restarts=8),
                           log_dir=tmp_path_factory.mktemp("sglang_logs"))
     yield engine
     pids = [p.pid for s in engine.servers if s and s.proc

@@ -3,6 +3,7 @@ every malformed recipe fails before anything starts, with one line naming the fi
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,7 @@ BAD = [
     (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.sync_transport=tensor"],
      "rollout.sync_transport: tensor needs engines the trainer launches on its own devices"),
     (["rollout.engine.model_path=/x"], "rollout.engine.model_path: set by the trainer"),
+    (["rollout.engine.host=0.0.0.0"], "rollout.engine.host: '0.0.0.0': set by the trainer (127.0.0.1 on one node"),
     (["rollout.temperature=0.0", "rollout.engine.tpp=2"], "rollout.engine.tpp: unknown key"),
     (["algorithm.estimator=ppo"], "algorithm.estimator: 'ppo' is not one of"),
     (["actor.loss.dual_clip=0.5"], "actor.loss.dual_clip: must be > 1, got 0.5"),
@@ -153,3 +155,18 @@ def test_recipe_file_errors(tmp_path):
         load_recipe(bad)
     with pytest.raises(ConfigError, match="config file not found"):
         load_recipe(tmp_path / "missing.yaml")
+
+
+def test_placed_groups_must_lie_on_one_node():
+    """After Ray placed the bundles (sorted by node): 16 devices as 8 + 8 keep every TP=4 group and TP=2 engine of
+    the DAPO recipe on one node; nodes of 6 and 10 GPUs split the second TP group and the third engine, refused."""
+    from rlhf_mc.trainer.placement import check_groups_on_one_node
+
+    recipe = load_recipe(REPO / "recipes" / "dapo_qwen3_8b.yaml")
+    plan = make_plan(recipe, model_config(recipe))
+    check_groups_on_one_node(plan, ["a"] * 8 + ["b"] * 8, 8)
+    with pytest.raises(ConfigError, match=r"^resources: Ray placed the actor tensor-parallel group \(devices 4-7\) "
+                                          r"on 2 nodes \['a', 'b'\]; give every node resources.devices_per_node=8"):
+        check_groups_on_one_node(plan, ["a"] * 6 + ["b"] * 10, 8)
+    with pytest.raises(ConfigError, match=r"rollout engine 3 \(devices 6-7\)"):
+        check_groups_on_one_node(dataclasses.replace(plan, tp_groups=[]), ["a"] * 7 + ["b"] * 9, 8)

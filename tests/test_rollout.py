@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.rollout.sglang_engine import LAUNCH_VERSION, WeightUpdateError
 from rlhf_mc.runtime.spawn import free_port
-from conftest import write_tiny_qwen2
+from tests.conftest import write_tiny_qwen2
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200], list(range(20, 60))]
 TOL = 1e-4

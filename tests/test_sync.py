@@ -158,6 +158,69 @@ def _run(engines, transport, tiny_hf_model, tmp_path) -> list[dict]:
             engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
 
 
+def _sync_once(model_dir: str, address: str, kill_pid: int | None = None) -> dict:
+    """A TP=2 actor with weights of its own connects to the engine at `address` (fed by rank 0), kills the server
+    process `kill_pid` if given, syncs, and reports what failed and, where the sync went through, the gap between
+    the engine's log-probs and its own."""
+    import time
+
+    import psutil
+    import requests
+
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.sync.transports import connect
+    from rlhf_mc.sync.weights import WeightSync, check_versions
+    from rlhf_mc.workers.policy import compute_log_prob
+
+    init_parallel(ParallelConfig(tp=2), seed=3)
+    model = model_config_from_hf(read_hf_config(model_dir))
+    chunks = build_model(model, ParallelConfig(tp=2), init_weights=False)
+    load_hf_weights(chunks, model_dir, model)
+    for p in chunks[0].parameters():  # weights of its own, so that a sync that did nothing shows
+        p.data.mul_(1.5)
+    transport = connect("tensor", [address], [[0]])
+    if kill_pid is not None and torch.distributed.get_rank() == 0:
+        psutil.Process(kill_pid).kill()
+        while True:  # until the server answers no more (it is not this process's child: no wait)
+            try:
+                requests.get(f"http://{address}/health", timeout=5)
+            except requests.ConnectionError:
+                break
+            time.sleep(0.1)
+    out = {"failed": WeightSync(chunks, model, transport, bucket_bytes=20_000).sync(chunks, 1, engines=[0]).failed}
+    box = [None]
+    if torch.distributed.get_rank() == 0 and not out["failed"]:
+        samples = transport.client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+        check_versions(samples, 1)
+        box = [[(s.response_ids, s.logprobs) for s in samples]]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        actor = compute_log_prob(chunks, [torch.tensor(p + r) for p, (r, _) in zip(PROMPTS, box[0])],
+                                 [len(p) for p in PROMPTS])
+        out["gap"] = max((torch.tensor(lp) - a["logprobs"]).abs().max().item() for (_, lp), a in zip(box[0], actor))
+    return out
+
+
+def test_a_dead_engine_fails_its_sync_and_is_synced_after_its_restart(sglang_engine, tiny_hf_model):
+    """The engine dies before a sync: the sync reports it failed on its feeding rank (the other rank did not wait
+    for it in a collective); restarted (as the trainer's EngineWorker.recover does), it is synced and equals the
+    actor."""
+    address = sglang_engine.urls[0].removeprefix("http://")
+    try:
+        first, second = spawn(_sync_once, 2, str(tiny_hf_model), address, sglang_engine.servers[0].proc.pid)
+        assert list(first["failed"]) == [0] and first["failed"][0].startswith("engine 0 at http://")
+        assert second["failed"] == {}
+        sglang_engine.recover(0)
+        first, _ = spawn(_sync_once, 2, str(tiny_hf_model), address)
+        assert first["failed"] == {} and first["gap"] < 1e-4
+    finally:
+        sglang_engine.recover(0)
+        sglang_engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
+
+
 @pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")

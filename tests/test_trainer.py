@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import psutil
 import requests
+
+from rlhf_mc.runtime.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -206,3 +209,68 @@ def test_sft_only_job(tmp_path):
     model = T.AutoModelForCausalLM.from_pretrained(out / "init_hf")
     tokenizer = T.AutoTokenizer.from_pretrained(out / "init_hf")
     assert model.config.eos_token_id == tokenizer.eos_token_id == 2
+
+
+def _server_args(log: Path) -> tuple[str, int]:
+    """(host, port) from the server_args line an SGLang server logs at start."""
+    text = log.read_text(errors="replace")
+    return re.search(r"host='([^']+)'", text).group(1), int(re.search(r"\bport=(\d+)", text).group(1))
+
+
+def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
+    """Two devices with an engine each (colocated; a port each from rollout.engine.base_port; on 127.0.0.1) and the
+    actor at DP=2 (each rank given only its data-parallel share): both engines hold the actor's weights after every
+    sync (each engine's log-probs of its own samples equal the actor's; prompts are dealt to both). Then a run
+    attached to two servers started here (rollout.engine.addresses; weights by broadcast) does the same."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.base import SamplingParams
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    base = next(p for p in iter(free_port, None) if _port_free(p + 1))
+    out = tmp_path / "two"
+    common = ["trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
+              "data.val_path=", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-3",
+              "reward.function=tests.test_trainer:digits_right"]
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "resources.devices_per_node=2",
+                         "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common]), out)
+    placement = json.loads((out / "placement.json").read_text())
+    assert [row["roles"] for row in placement] == [["actor rank 0", "rollout engine 0 tp rank 0"],
+                                                  ["actor rank 1", "rollout engine 1 tp rank 0"]]
+    servers = sorted(_server_args(log) for log in (out / "logs").rglob("sglang_engine*.log"))
+    assert servers == [("127.0.0.1", base), ("127.0.0.1", base + 1)]
+
+    def check(run: Path) -> None:
+        steps = _metrics(run)
+        assert sorted(steps) == [1, 2]
+        for record in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()):
+            if "reward/mean" in record:
+                assert record["rollout/logprob_diff"] < 1e-4 and record["sync/failed_engines"] == 0, record
+                assert record["actor/grad_norm"] > 0
+
+    check(out)
+    engines = SGLangEngine(RolloutConfig(model_path=str(out / "init_hf"), num_engines=2, dtype="float32"),
+                           log_dir=tmp_path / "attached_logs")
+    try:
+        attached = tmp_path / "attached"
+        addresses = ",".join(url.removeprefix("http://") for url in engines.urls)
+        _finish(_start(attached, ["recipes/quickstart.yaml", f"model.path={out / 'final_hf'}", "sft.data_path=",
+                                  f"rollout.engine.addresses=[{addresses}]", "rollout.engine.num_engines=2",
+                                  *common]), attached)
+        check(attached)
+        for url in engines.urls:  # each server holds the run's last weights
+            (sample,) = SGLangEngine(RolloutConfig(addresses=(url.removeprefix("http://"),))).generate(
+                [[3, 4, 5]], SamplingParams(temperature=0, max_new_tokens=2))
+            assert sample.weight_version == 2
+    finally:
+        engines.shutdown()
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False

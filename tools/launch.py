@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import yaml
@@ -49,17 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from rlhf_mc.trainer.loop import train
+    from rlhf_mc.trainer.loop import Stop, train
 
-    # SIGTERM / Ctrl-C: the step under way finishes and is logged; a second one stops at once. Either way the
-    # trainer's clean-up (engines, workers, Ray) runs on the way out and nothing it started is left.
-    stop, received = threading.Event(), []
+    # SIGTERM / Ctrl-C: within the steps the step under way finishes and is logged (a second signal stops at once);
+    # elsewhere at once. Either way the trainer's clean-up (engines, workers, Ray) runs on the way out and nothing it
+    # started is left.
+    stop, received = Stop(), []
 
     def on_signal(signum, frame):
         received.append(signum)
-        if stop.is_set():
+        if stop.request():
             raise KeyboardInterrupt(signal.Signals(signum).name)
-        stop.set()
         print(f"{signal.Signals(signum).name}: stopping after this step (again to stop now)", file=sys.stderr)
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -174,7 +174,7 @@ class SGLangEngine:
             except (requests.ConnectionError, requests.Timeout) as error:
                 self.stats["request_retries"] += 1
                 log.warning("engine %d failed a request (%s); recovering", engine, error)
-                self._recover(engine)
+                self.recover(engine)
                 avoid = engine if len(self.urls) > 1 else None
             finally:
                 with self._lock:
@@ -191,7 +191,7 @@ class SGLangEngine:
         except requests.RequestException:
             return False
 
-    def _recover(self, engine: int, force: bool = False) -> None:
+    def recover(self, engine: int, force: bool = False) -> None:
         """Restarts a launched server that is dead or unresponsive (or, with `force`, whose weights are in an
         unknown state after a failed update); re-applies the last weights from disk."""
         with self._restart_locks[engine]:
@@ -278,7 +278,7 @@ class SGLangEngine:
             send()
         except Exception as error:
             for engine in range(len(self.urls)):
-                self._recover(engine, force=True)
+                self.recover(engine, force=True)
             raise WeightUpdateError(f"weight update {what} to version {version} failed ({error}); engines restarted,"
                                     f" versions now {self.versions}") from error
         self.versions = [version] * len(self.urls)
@@ -408,7 +408,7 @@ class SGLangEngine:
                 if server is None:
                     raise
                 log.warning("engine %d failed %s (%s); recovering", engine, path, error)
-                self._recover(engine)
+                self.recover(engine)
                 try:
                     self._call(engine, "POST", path, payload)
                 except requests.ConnectionError as again:

@@ -19,8 +19,9 @@ from rlhf_mc.config import ParallelConfig
 
 def init_distributed(timeout_minutes: float = 30.0, skip_cpu_shims: tuple[str, ...] = (),
                      store: dist.Store | None = None) -> None:
-    """Joins the default process group from torchrun-style environment variables (idempotent); with `store`, rank 0
-    rendezvouses through that store (already bound) instead of binding MASTER_PORT.
+    """Joins the default process group from torchrun-style environment variables (idempotent); with `store`, through
+    that store instead (every rank must pass one then: torch prefixes the keys of the env:// rendezvous, not those of
+    a given store, so ranks mixing the two never meet).
 
     `skip_cpu_shims` is for the tests that show what each shim fixes."""
     if dist.is_initialized():

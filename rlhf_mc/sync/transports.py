@@ -94,7 +94,7 @@ class ColocatedTensors:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - reported to the driver, which restarts the engine
-            return f"{type(e).__name__}: {e}"
+            return f"engine {self.engine} at {self.client.urls[0]}: {type(e).__name__}: {e}"
         return None
 
 
@@ -117,7 +117,8 @@ class _FromRankZero:
             self.client.resume()
         except Exception as e:  # noqa: BLE001 - reported to the driver, which restarts the engines
             _drain(buckets)
-            return SendResult([], {engine: f"{type(e).__name__}: {e}" for engine in everyone})
+            return SendResult([], {engine: f"engines at {self.addresses}: {type(e).__name__}: {e}"
+                                   for engine in everyone})
         return SendResult(everyone, {})
 
     def _send(self, buckets: Buckets, version: int) -> None:

@@ -31,6 +31,24 @@ from rlhf_mc.workers.train import PolicyLossConfig
 log = logging.getLogger("rlhf_mc.trainer")
 
 
+@dataclasses.dataclass
+class Stop:
+    """A stop asked for by a signal (tools/launch.py). Within the SFT or RL steps the step under way finishes and is
+    logged first; elsewhere (start-up, checkpoint loading, the final export), and on a second request, at once."""
+
+    asked: threading.Event = dataclasses.field(default_factory=threading.Event)
+    in_steps: bool = False
+
+    def request(self) -> bool:
+        """Records the request; True when the caller must stop at once."""
+        again = self.asked.is_set()
+        self.asked.set()
+        return again or not self.in_steps
+
+    def __call__(self) -> bool:
+        return self.asked.is_set()
+
+
 def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width)
     for i, row in enumerate(rows):
@@ -83,7 +101,7 @@ def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
 
 
 def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_config: dict, tokenizer_dir: str,
-            logger: MetricsLogger, stop: threading.Event) -> bool:
+            logger: MetricsLogger, stop: Stop) -> bool:
     """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
     the result exported to `out` (HF). False if `stop` ended it first (nothing exported)."""
     sft, data = recipe.sft, recipe.data
@@ -94,14 +112,16 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
         group.call("load_hf", str(resolve_path(recipe.model.path)))
     group.call("setup_optimizer", sft.optim)
     rng = random.Random(recipe.trainer.seed)
+    stop.in_steps = True
     for step in range(sft.steps):
         batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
         metrics = group.update("sft", [ids for ids, _ in batch], [start for _, start in batch], {}, mini_batches=1,
                                micro_batch_tokens=sft.micro_batch_tokens)
         logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
-        if stop.is_set():
+        if stop():
             log.warning("SFT stopped at step %d, as asked", step)
             return False
+    stop.in_steps = False
     group.call("export_hf", str(out), hf_config, tokenizer_dir)
     group.shutdown()
     return True
@@ -151,9 +171,9 @@ def validate(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, tok
     return out
 
 
-def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: threading.Event | None = None) -> dict:
-    """Runs the recipe; returns the last step's metrics. `stop` set: the run ends after the step under way (logged;
-    a relaunch continues from the last checkpoint)."""
+def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | None = None) -> dict:
+    """Runs the recipe; returns the last step's metrics. `stop()`: the run ends after the step under way (logged; a
+    relaunch continues from the last checkpoint)."""
     from transformers import AutoTokenizer
 
     run_dir = Path(recipe.trainer.output_dir)
@@ -180,7 +200,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: threadin
     trainer_state = json.loads((resume / "trainer_state.json").read_text()) if resume else {"step": 0}
     logger = MetricsLogger(run_dir, recipe.trainer.loggers, total_steps, trainer_state["step"], to_dict(recipe),
                            recipe.trainer.project, recipe.trainer.experiment)
-    stop = stop or threading.Event()
+    stop = stop or Stop()
     cluster = Cluster(recipe, plan, address)
     try:
         nodes = cluster.bundle_nodes()
@@ -239,7 +259,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: threadin
         metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, (scorer, reward_model),
                              train_prompts, val_prompts, trainer_state["step"], total_steps, logger, run_dir,
                              dropped, stop)
-        if stop.is_set():
+        if stop():
             return metrics
         schedule.finish()
         if recipe.trainer.export_hf:
@@ -252,7 +272,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: threadin
 
 
 def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts,
-               step, total_steps, logger, run_dir, dropped, stop: threading.Event) -> dict:
+               step, total_steps, logger, run_dir, dropped, stop: Stop) -> dict:
     data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
     loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -262,6 +282,7 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
     schedule.before_rollout(step, Timer())  # the engines hold the actor's weights, version = step
     timer, metrics = Timer(), {}
+    stop.in_steps = True
     if val_prompts and step == 0:
         logger.log(0, validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
     while step < total_steps:
@@ -322,9 +343,10 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
             metrics.update(validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
         logger.log(step, metrics)
         logger.advance()
-        if stop.is_set():
+        if stop():
             log.warning("stopped after step %d, as asked", step)
             break
+    stop.in_steps = False
     return metrics
 
 

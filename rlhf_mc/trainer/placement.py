@@ -46,6 +46,20 @@ def start_ray(address: str | None, plan: Plan) -> None:
         signal.signal(signal.SIGTERM, on_term)
 
 
+def check_groups_on_one_node(plan: Plan, slot_nodes: list[str], devices_per_node: int) -> None:
+    """Each TP group and each engine on one node, as the plan laid them out; Ray may have packed the nodes
+    otherwise (nodes with other GPU counts than resources.devices_per_node). `slot_nodes[d]`: device slot d's node."""
+    groups = [(f"{role} tensor-parallel group", range(start, start + tp))
+              for role, tp, world in plan.tp_groups for start in range(0, world, tp)]
+    groups += [(f"rollout engine {e}", range(first, first + n)) for e, (first, n) in enumerate(plan.engines)]
+    for what, slots in groups:
+        nodes = {slot_nodes[s] for s in slots}
+        if len(nodes) > 1:
+            raise ConfigError(f"resources: Ray placed the {what} (devices {slots.start}-{slots.stop - 1}) on "
+                              f"{len(nodes)} nodes {sorted(nodes)}; give every node resources.devices_per_node="
+                              f"{devices_per_node} GPUs")
+
+
 @dataclasses.dataclass(frozen=True)
 class RankLayout:
     """Where a rank sits in its group's Megatron layout, as the driver needs it."""
@@ -199,7 +213,7 @@ class EngineWorker:
 
     def recover(self) -> None:
         """Restarts the server if it is dead (a failed weight update's cause)."""
-        self.engine._recover(0)
+        self.engine.recover(0)
 
     def call(self, method: str, *args):
         return getattr(self.engine, method)(*args)
@@ -218,7 +232,7 @@ class Cluster:
         self.pg = placement_group([dict(bundle) for _ in range(plan.devices)], strategy="PACK")
         ray.get(self.pg.ready(), timeout=600)
         self.slots, self.slot_nodes, self.slot_ips, self.slot_gpus = self._order_bundles()
-        self._check_groups_on_one_node()
+        check_groups_on_one_node(plan, self.slot_nodes, recipe.resources.devices_per_node)
         self.train_bundles = self.slots[:plan.actor_world]
         self.engines: list = []
 
@@ -244,18 +258,6 @@ class Cluster:
 
         order = sorted(range(self.plan.devices), key=key)
         return order, *([found[b][i] for b in order] for i in range(3))
-
-    def _check_groups_on_one_node(self) -> None:
-        """Each TP group and each engine on one node, as the plan laid them out (Ray may pack nodes otherwise)."""
-        groups = [(f"{role} tensor-parallel group", range(start, start + tp))
-                  for role, tp, world in self.plan.tp_groups for start in range(0, world, tp)]
-        groups += [(f"rollout engine {e}", range(first, first + n)) for e, (first, n) in enumerate(self.plan.engines)]
-        for what, slots in groups:
-            nodes = {self.slot_nodes[s] for s in slots}
-            if len(nodes) > 1:
-                raise ConfigError(f"resources: Ray placed the {what} (devices {slots.start}-{slots.stop - 1}) on "
-                                  f"{len(nodes)} nodes {sorted(nodes)}; give every node resources.devices_per_node="
-                                  f"{self.recipe.resources.devices_per_node} GPUs")
 
     def bundle_nodes(self) -> dict[int, str]:
         """The Ray node id of each device slot, as placed."""

@@ -74,6 +74,9 @@ class RolloutSection:
             raise ConfigError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         if self.engine.model_path:
             raise ConfigError("engine.model_path: set by the trainer from the actor's weights; leave it out")
+        if self.engine.host != RolloutConfig.host:
+            raise ConfigError(f"engine.host: {self.engine.host!r}: set by the trainer (127.0.0.1 on one node, each "
+                              "node's IP when the run spans nodes); leave it out")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ hands each rank its data-parallel share (trainer/placement.py); the reporting ra
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -32,8 +33,6 @@ class ModelWorker:
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
                  recompute: str = "none", value_head: bool = False):
-        import datetime
-
         self.rank, self.world, self.model = rank, world, model
         self._build = (parallel, dtype, seed, recompute, value_head)
         self._store = None
@@ -64,6 +63,9 @@ class ModelWorker:
                           MASTER_PORT=str(master[1]))
         if not torch.cuda.is_available():  # CPU ranks share the machine's cores (Ray sets OMP_NUM_THREADS=1)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+        if self._store is None:  # every rank through a store object: the keys then share one namespace
+            self._store = torch.distributed.TCPStore(master[0], master[1], self.world, is_master=False,
+                                                     timeout=datetime.timedelta(minutes=30))
         init_distributed(store=self._store)
         init_parallel(parallel, seed=seed)
         self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
