@@ -212,9 +212,9 @@ def test_sft_only_job(tmp_path):
 
 
 def _server_args(log: Path) -> tuple[str, int]:
-    """(host, port) from the server_args line an SGLang server logs at start."""
-    text = log.read_text(errors="replace")
-    return re.search(r"host='([^']+)'", text).group(1), int(re.search(r"\bport=(\d+)", text).group(1))
+    """(host, port) an SGLang server said it listens on."""
+    host, port = re.search(r"Uvicorn running on http://([^:\s]+):(\d+)", log.read_text(errors="replace")).groups()
+    return host, int(port)
 
 
 def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):

@@ -278,7 +278,8 @@ class Cluster:
         remote = ray.remote(EngineWorker).options
         if cfg.addresses:
             self.engines = [remote(num_cpus=0, max_concurrency=8).remote(
-                dataclasses.replace(cfg, addresses=(address,)), str(log_dir / f"engine{e}"), None, cfg.host)
+                dataclasses.replace(cfg, addresses=(address,), num_engines=1), str(log_dir / f"engine{e}"), None,
+                cfg.host)
                 for e, address in enumerate(cfg.addresses)]
             return ray.get([engine.address.remote() for engine in self.engines])
         spans_nodes = len(set(self.slot_nodes)) > 1
