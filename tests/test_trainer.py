@@ -48,6 +48,12 @@ def digits_right(response: str, answer: str, prompt: str) -> float:
     return sum(a == b for a, b in zip(response, answer)) / len(answer)
 
 
+def char_codes(response: str, answer: str, prompt: str) -> float:
+    """A reward that differs between almost any two different responses: a short run from a barely warmed-up model
+    gets non-zero advantages at every step (with digits_right, all of 8 pairs can tie at 0 and the gradient is 0)."""
+    return sum(map(ord, response)) / 1000
+
+
 def _start(out: Path, args: list[str] = ARGS) -> subprocess.Popen:
     """The launcher writing to <out>.log (not to a pipe, which a process left behind would hold open)."""
     log = open(out.with_suffix(".log"), "ab")
@@ -230,7 +236,7 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
     out = tmp_path / "two"
     common = ["trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
               "data.val_path=", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-3",
-              "reward.function=tests.test_trainer:digits_right"]
+              "reward.function=tests.test_trainer:char_codes"]
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "resources.devices_per_node=2",
                          "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common]), out)
     placement = json.loads((out / "placement.json").read_text())
