@@ -1,13 +1,13 @@
-"""One GRPO step of the quickstart config, by phase, and the same step with TRL's GRPOTrainer (where TRL installs:
-`pip install trl`) on the same model, prompts and batch: 32 prompts x 8 samples, responses of at most 6 tokens,
-the exact-answer reward, one optimizer step per batch, no KL term. JSON lines: our phases (median over the timed
-steps), TRL's step time, the ratio.
+"""One GRPO step by phase, ours vs TRL's GRPOTrainer (`pip install trl`) on the same model, prompts and batch, over
+model sizes and response lengths: 32 prompts x 8 samples of the quickstart's arithmetic data, one optimizer step per
+batch, no KL term. JSON lines per configuration: our phases (median over the timed steps) with their achieved FLOP/s
+as a fraction of this machine's fp32 matmul FLOP/s (measured first), TRL's step time, and the ratio.
 
-    python bench/grpo_step.py [--steps 8] [--warmup 2]
+    python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 5] [--warmup 2]
 
-Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights; responses
-run to the 6-token limit or an early EOS alike). Ours runs Ray + Megatron + SGLang on CPU; TRL runs transformers'
-generate and its trainer in this process.
+Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights; a random model
+rarely ends early, so responses run to the limit in both). Ours runs Ray + Megatron + SGLang on CPU; TRL runs
+transformers' generate and its trainer in this process.
 """
 
 from __future__ import annotations
@@ -20,31 +20,61 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import emit  # noqa: E402
 
-PROMPTS, N, MAX_NEW, LR = 32, 8, 6, 1e-4
+PROMPTS, N, LR = 32, 8, 1e-4
+# name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
+SIZES = {"1m": (128, 4, 4, 2, 384), "6m": (256, 8, 8, 4, 768), "50m": (768, 8, 12, 6, 2304)}
 
 
-def ours(run_dir: Path, steps: int, warmup: int) -> tuple[dict[str, float], Path]:
+def write_model_config(path: Path, size: str) -> int:
+    """A llama-family model_configs YAML; returns its parameters that take part in every token's matmuls."""
+    hidden, layers, heads, kv_heads, ffn = SIZES[size]
+    head_dim = hidden // heads
+    path.write_text(yaml.safe_dump(dict(
+        family="llama", hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=16, max_position_embeddings=256, rope_theta=10000.0)))
+    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    return layers * (attention + 3 * hidden * ffn) + 16 * hidden
+
+
+def matmul_flops(seconds: float = 3.0) -> float:
+    """This machine's fp32 matmul FLOP/s (1024^3 products on all the cores torch uses here)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * 1024 ** 3 * count / (time.perf_counter() - start)
+
+
+def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int) -> tuple[dict, Path]:
     from rlhf_mc.trainer.loop import train
     from rlhf_mc.trainer.recipe import load_recipe, make_plan, model_config
 
     recipe = load_recipe(REPO / "recipes/quickstart.yaml", [
-        f"trainer.output_dir={run_dir}", "sft.data_path=", "data.val_path=", f"trainer.total_steps={steps}",
-        "trainer.save_interval=0", "trainer.export_hf=false", "trainer.loggers=[jsonl]",
-        f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", f"actor.ppo_mini_batch_size={PROMPTS}",
-        f"data.max_response_length={MAX_NEW}", f"actor.optim.lr={LR}"])
+        f"trainer.output_dir={run_dir}", f"model.config={model_yaml}", "sft.data_path=", "data.val_path=",
+        f"trainer.total_steps={steps}", "trainer.save_interval=0", "trainer.export_hf=false",
+        "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
+        f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
+        f"actor.optim.lr={LR}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:]
-    phases = sorted({k for r in timed for k in r if k.startswith("timing/")})
-    return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in phases}, run_dir / "init_hf"
+    keys = sorted({k for r in timed for k in r if k.startswith("timing/")} | {"response/length_mean"})
+    return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in keys}, run_dir / "init_hf"
 
 
-def trl_step(model_dir: Path, steps: int, warmup: int) -> float:
+def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int) -> tuple[float, float | None]:
+    """Median step seconds and mean completion length."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -69,34 +99,54 @@ def trl_step(model_dir: Path, steps: int, warmup: int) -> float:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = GRPOConfig(output_dir=str(model_dir.parent / "trl"), use_cpu=True, per_device_train_batch_size=PROMPTS * N,
-                        gradient_accumulation_steps=1, num_generations=N, max_completion_length=MAX_NEW,
+                        gradient_accumulation_steps=1, num_generations=N, max_completion_length=response_length,
                         learning_rate=LR, max_steps=steps, beta=0.0, temperature=1.0, logging_steps=1,
                         report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
     trainer.train()
-    return statistics.median(times[warmup:])
+    lengths = [r["completions/mean_length"] for r in trainer.state.log_history if "completions/mean_length" in r]
+    return statistics.median(times[warmup:]), (round(statistics.mean(lengths), 1) if lengths else None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["1m", "6m", "50m"])
+    parser.add_argument("--response-lengths", nargs="+", type=int, default=[6, 32, 128])
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        phases, model_dir = ours(Path(tmp) / "ours", args.steps, args.warmup)
-        for key, seconds in phases.items():
-            emit(figure=f"ours {key}", value=round(seconds, 4), unit="s", steps=args.steps - args.warmup)
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            emit(figure="trl GRPOTrainer step", value=None, note="trl is not installed: pip install trl")
-            return
-        step = trl_step(model_dir, args.steps, args.warmup)
-        ours_step = phases["timing/step_s"]
-        emit(figure="GRPO step, 32 prompts x 8 samples, tiny-arith, CPU", ours_s=round(ours_step, 3),
-             baseline="trl GRPOTrainer (transformers generate)", baseline_s=round(step, 3),
-             ratio_baseline_over_ours=round(step / ours_step, 2))
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        trl = None
+        emit(figure="trl GRPOTrainer step", value=None, note="trl is not installed: pip install trl")
+    peak = matmul_flops()
+    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(peak / 1e9, 1), unit="GFLOP/s",
+         threads=torch.get_num_threads())
+    for size in args.sizes:
+        for length in args.response_lengths:
+            with tempfile.TemporaryDirectory() as tmp:
+                model_yaml = Path(tmp) / "model.yaml"
+                params = write_model_config(model_yaml, size)
+                phases, model_dir = ours(Path(tmp) / "ours", model_yaml, length, args.steps, args.warmup)
+                config = dict(size=size, params_m=round(params / 1e6, 2), response_length=length,
+                              response_length_mean=round(phases["response/length_mean"], 1))
+                # tokens through the model per step: prompts (<= 7 characters + BOS) and responses, every sample
+                tokens = PROMPTS * N * (8 + phases["response/length_mean"])
+                flops = {"timing/rollout_s": 2 * params * tokens, "timing/old_logprob_s": 2 * params * tokens,
+                         "timing/update_actor_s": 6 * params * tokens}
+                for key, seconds in phases.items():
+                    if key.startswith("timing/"):
+                        mfu = round(flops[key] / seconds / peak, 4) if key in flops and seconds else None
+                        emit(figure=f"ours {key}", **config, value=round(seconds, 4), unit="s", mfu=mfu)
+                if trl is None:
+                    continue
+                step, trl_length = trl_step(model_dir, length, args.steps, args.warmup)
+                ours_step = phases["timing/step_s"]
+                emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
+                     baseline="trl GRPOTrainer (transformers generate)", baseline_s=round(step, 3),
+                     baseline_response_length=trl_length, ratio_baseline_over_ours=round(step / ours_step, 2))
 
 
 if __name__ == "__main__":

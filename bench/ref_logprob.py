@@ -1,6 +1,7 @@
 """compute_ref_log_prob throughput and peak memory: ~700 sequences (64-token prompts, responses spread over
 32-512 tokens) on a ~8M-parameter model, through rlhf_mc (host-memory reference swapped into the actor, packed,
-micro-batched by tokens) vs (a) a per-sequence transformers loop and (b) one padded batched transformers forward.
+micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded batched transformers forward and
+(c) transformers on length-sorted padded batches of 8 (what a careful transformers user does).
 Each runs in its own process, measured for time and peak RSS. Prints JSON lines with ratios.
 
     .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192]
@@ -90,6 +91,24 @@ def hf_padded(model_dir: str, n: int, out) -> None:
     out.put(time.perf_counter() - start)
 
 
+def hf_sorted_batches(model_dir: str, n: int, out, batch: int = 8) -> None:
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seqs = sorted(workload(n), key=len, reverse=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for first in range(0, n, batch):
+            group = seqs[first:first + batch]
+            tokens = torch.zeros(len(group), len(group[0]), dtype=torch.long)
+            mask = torch.zeros_like(tokens)
+            for i, s in enumerate(group):
+                tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+            logp = torch.log_softmax(model(tokens, attention_mask=mask).logits.float(), -1)
+            [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(group)]
+    out.put(time.perf_counter() - start)
+
+
 def in_child(fn, *args) -> float:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -121,6 +140,9 @@ def main() -> None:
         with peak_memory() as m:
             seconds = in_child(hf_padded, model_dir, n)
         runs["transformers_one_padded_batch"] = (seconds, m["peak_process_mb"])
+        with peak_memory() as m:
+            seconds = in_child(hf_sorted_batches, model_dir, n)
+        runs["transformers_length_sorted_batches_of_8"] = (seconds, m["peak_process_mb"])
     ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
     for system, (seconds, mb) in runs.items():
         emit(bench="ref_logprob", system=system, sequences=n, tokens=all_tokens, response_tokens=response_tokens,

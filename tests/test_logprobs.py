@@ -45,7 +45,7 @@ def _padded_reference(ckpt: str) -> list[dict]:
     return out
 
 
-def _sharded(parallel: ParallelConfig, ckpt: str) -> list[dict]:
+def _sharded(parallel: ParallelConfig, ckpt: str, micro_batch_tokens: int) -> list[dict]:
     from rlhf_mc.models.checkpoint import load_model
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
@@ -54,7 +54,8 @@ def _sharded(parallel: ParallelConfig, ckpt: str) -> list[dict]:
     init_parallel(parallel)
     chunks = build_model(MODEL, parallel, init_weights=False)
     load_model(chunks, Path(ckpt) / "weights")
-    return compute_log_prob(chunks, _sequences(), STARTS, TEMPERATURE, with_entropy=True, micro_batch_tokens=40)
+    return compute_log_prob(chunks, _sequences(), STARTS, TEMPERATURE, with_entropy=True,
+                            micro_batch_tokens=micro_batch_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +65,23 @@ def reference(tmp_path_factory):
     return str(ckpt), result
 
 
+# name: (layout, world size, micro_batch_tokens). With 40, every pack happens to hold its sequences longest first; with
+# 200 all six share one pack in their own order, which the local attention regroups by length and must put back.
 LAYOUTS = {
-    "packed": (ParallelConfig(), 1),
-    "tp2": (ParallelConfig(tp=2), 2),
-    "pp2": (ParallelConfig(pp=2), 2),
-    "pp2_vpp2": (ParallelConfig(pp=2, vpp=2), 2),
-    "cp2": (ParallelConfig(cp=2), 2),
+    "packed": (ParallelConfig(), 1, 40),
+    "packed_one_micro_batch": (ParallelConfig(), 1, 200),
+    "tp2": (ParallelConfig(tp=2), 2, 40),
+    "pp2": (ParallelConfig(pp=2), 2, 40),
+    "pp2_vpp2": (ParallelConfig(pp=2, vpp=2), 2, 40),
+    "cp2": (ParallelConfig(cp=2), 2, 40),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_log_prob_matches_padded_single_process(name, reference):
     ckpt, expected = reference
-    parallel, world = LAYOUTS[name]
-    for rank_result in spawn(_sharded, world, parallel, ckpt):  # every rank gets the results
+    parallel, world, micro_batch_tokens = LAYOUTS[name]
+    for rank_result in spawn(_sharded, world, parallel, ckpt, micro_batch_tokens):  # every rank gets the results
         for got, want, start, n in zip(rank_result, expected, STARTS, LENGTHS):
             assert got["logprobs"].shape == (n - start,)
             for key in ("logprobs", "entropy"):

@@ -7,6 +7,7 @@ The tests share one engine (conftest.py); a test that changes the weights restor
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -225,3 +226,13 @@ def test_server_children_outlive_the_starting_thread_and_die_with_the_process():
             break
         assert time.time() < deadline, "the child outlived its owner"
         time.sleep(0.1)
+
+
+def test_cpu_server_threads_are_the_cores_per_tp_rank_not_rays_one():
+    """A server started from a Ray actor inherits OMP_NUM_THREADS=1 (Ray's default): on CPU it would decode on one
+    core while the trainer ranks sit idle. Each of its TP ranks gets the machine's cores / TP instead."""
+    from rlhf_mc.rollout import cpu
+
+    cores = os.cpu_count()
+    assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 1)["OMP_NUM_THREADS"] == str(cores)
+    assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))

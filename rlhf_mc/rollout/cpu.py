@@ -3,8 +3,9 @@
 - `cpu_site/`: a stand-in for the CUDA kernel package `sgl_kernel` (SGLang's CPU backend imports names from it at
   module level and never calls them on the normal path) and a sitecustomize that makes torch.cuda.synchronize a
   no-op (release_memory_occupation calls it). Put first on the server's PYTHONPATH.
-- SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; a KV cache of 65536 tokens and mem_fraction_static 0.1 unless the
-  config says otherwise (SGLang's defaults reserve ~14 GB).
+- SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; OMP_NUM_THREADS = the machine's cores / TP (not Ray's 1); glibc
+  malloc settings that keep freed memory (runtime/host.py); a KV cache of 65536 tokens and mem_fraction_static 0.1
+  unless the config says otherwise (SGLang's defaults reserve ~14 GB).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
   (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
   installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
@@ -19,6 +20,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from rlhf_mc.runtime import host
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 
@@ -41,6 +44,9 @@ def server_env(env: dict[str, str], tp: int) -> dict[str, str]:
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # A server started from a Ray actor inherits Ray's OMP_NUM_THREADS=1: it would decode on one core of the machine.
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // tp))
+    env.update(host.malloc_env())
     if tp > 1:
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(tp))
         env["SGLANG_NCCL_SO_PATH"] = str(CPU_SITE / "no-nccl-on-cpu.so")  # does not exist, on purpose

@@ -24,6 +24,8 @@ from typing import Any, Callable, Literal
 import torch
 import torch.multiprocessing as mp
 
+from rlhf_mc.runtime import host
+
 
 def _ephemeral_low() -> int:
     try:
@@ -55,8 +57,10 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
            skip_cpu_shims: tuple[str, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # Share the cores: N processes each with every core's worth of threads thrash.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # N ranks, every core's threads: thrash
+    else:
+        host.use_host(world_size)
     from rlhf_mc.runtime import distributed
 
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.runtime import host
 
 
 def node_ip() -> str:
@@ -61,8 +62,8 @@ class ModelWorker:
         parallel, dtype, seed, recompute, value_head = self._build
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                           MASTER_PORT=str(master[1]))
-        if not torch.cuda.is_available():  # CPU ranks share the machine's cores (Ray sets OMP_NUM_THREADS=1)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world))
+        if not torch.cuda.is_available():
+            host.use_host(self.world)
         if self._store is None:  # every rank through a store object: the keys then share one namespace
             self._store = torch.distributed.TCPStore(master[0], master[1], self.world, is_master=False,
                                                      timeout=datetime.timedelta(minutes=30))
