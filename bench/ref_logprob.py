@@ -74,20 +74,24 @@ def hf_loop(model_dir: str, n: int, out) -> None:
     out.put(time.perf_counter() - start)
 
 
+def padded_logprobs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One right-padded transformers forward over `seqs`: each response's log-probs."""
+    tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
+    logp = torch.log_softmax(model(tokens, attention_mask=mask).logits.float(), -1)
+    return [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
+
+
 def hf_padded(model_dir: str, n: int, out) -> None:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     seqs = workload(n)
-    tokens = torch.zeros(n, max(len(s) for s in seqs), dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, s in enumerate(seqs):
-        tokens[i, :len(s)], mask[i, :len(s)] = s, 1
     start = time.perf_counter()
     with torch.no_grad():
-        logits = model(tokens, attention_mask=mask).logits
-        logp = torch.log_softmax(logits.float(), -1)
-        [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
+        padded_logprobs(model, seqs)
     out.put(time.perf_counter() - start)
 
 
@@ -99,13 +103,7 @@ def hf_sorted_batches(model_dir: str, n: int, out, batch: int = 8) -> None:
     start = time.perf_counter()
     with torch.no_grad():
         for first in range(0, n, batch):
-            group = seqs[first:first + batch]
-            tokens = torch.zeros(len(group), len(group[0]), dtype=torch.long)
-            mask = torch.zeros_like(tokens)
-            for i, s in enumerate(group):
-                tokens[i, :len(s)], mask[i, :len(s)] = s, 1
-            logp = torch.log_softmax(model(tokens, attention_mask=mask).logits.float(), -1)
-            [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(group)]
+            padded_logprobs(model, seqs[first:first + batch])
     out.put(time.perf_counter() - start)
 
 

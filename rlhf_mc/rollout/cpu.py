@@ -45,7 +45,7 @@ def server_env(env: dict[str, str], tp: int) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(CPU_SITE), *filter(None, [env.get("PYTHONPATH")])])
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     # A server started from a Ray actor inherits Ray's OMP_NUM_THREADS=1: it would decode on one core of the machine.
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // tp))
+    env["OMP_NUM_THREADS"] = str(host.cores_per(tp))
     env.update(host.malloc_env())
     if tp > 1:
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(tp))

@@ -58,7 +58,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # N ranks, every core's threads: thrash
+        torch.set_num_threads(host.cores_per(world_size))
     else:
         host.use_host(world_size)
     from rlhf_mc.runtime import distributed
