@@ -202,6 +202,29 @@ def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_
         engine.on_restart = None
 
 
+def test_idle_server_sleeps_instead_of_polling(sglang_engine):
+    """Between rollouts a server waits for the trainer: its processes together use under a fifth of a core (a
+    busy-polling scheduler takes a whole one, 1.0 core-seconds per second measured; with --sleep-on-idle 0.015),
+    and the next request is still answered."""
+    server = psutil.Process(sglang_engine.servers[0].proc.pid)
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for p in [server, *server.children(recursive=True)]:
+            try:
+                total += sum(p.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    time.sleep(1)  # the end of the previous test's requests
+    before, start = cpu_seconds(), time.monotonic()
+    time.sleep(4)
+    assert (cpu_seconds() - before) / (time.monotonic() - start) < 0.2
+    (sample,) = sglang_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=2))
+    assert len(sample.response_ids) == 2
+
+
 def test_server_children_outlive_the_starting_thread_and_die_with_the_process():
     """A server restarted from a request thread must not die when that thread ends, and must die (SIGKILL) with the
     process that owns it, as one started from the main thread does."""
