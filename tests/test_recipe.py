@@ -68,6 +68,19 @@ def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
     assert plan.mini_batches_per_step == 1 and plan.optimizer_steps_per_step == 1
 
 
+@pytest.mark.parametrize("overrides, from_update", [
+    ([], True),  # the whole batch in one mini-batch, one epoch: on-policy
+    (["actor.ppo_mini_batch_size=4"], False),  # the second mini-batch's old policy is not the current one
+    (["actor.ppo_epochs=2"], False),
+    (["algorithm.kl_in_reward_coef=0.01"], False),  # the reward needs the old log-probs before the advantages
+    (["algorithm.skip_on_policy_old_logprobs=false"], False)])
+def test_old_logprob_forward_is_skipped_only_on_policy(overrides, from_update):
+    recipe = load_recipe(QUICKSTART, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
+    plan = make_plan(recipe, model_config(recipe), cuda=False)
+    assert plan.old_logprobs_from_update is from_update
+    assert ("old log-probs: the update's own (one on-policy optimizer step)" in plan.lines()) is from_update
+
+
 def test_overrides_parse_yaml_values():
     data = apply_overrides({"actor": {"optim": {"lr": 1.0}}}, ["actor.optim.lr=1e-3", "trainer.loggers=[jsonl]",
                                                                "rollout.engine.tp=2"])

@@ -145,3 +145,59 @@ def test_critic_values_and_step_match_single_process(tmp_path):
             assert r["param_diff"] < TOL
             if "value_loss" in r["metrics"]:
                 assert abs(r["metrics"]["value_loss"] - ref["metrics"]["value_loss"]) < TOL
+
+
+def _on_policy(parallel: ParallelConfig, ckpt: str, separate_forward: bool) -> dict:
+    """One step without old log-probs (the update's own, detached), or with them from a forward pass first; the
+    rollout log-probs are the forward's, shifted, so the reported difference has a known value."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models.checkpoint import load_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+    from rlhf_mc.workers.train import train_step
+
+    init_parallel(parallel, seed=11)
+    chunks = build_model(MODEL, parallel)
+    load_model(chunks, Path(ckpt) / "weights0")
+    seqs, per_token = _data()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = list(range(dp_rank, len(seqs), dp))
+    seqs, starts = [seqs[i] for i in mine], [STARTS[i] for i in mine]
+    forward = compute_log_prob(chunks, seqs, starts, temperature=0.9, with_entropy=True, micro_batch_tokens=40)
+    per_token = {"advantages": [per_token["advantages"][i] for i in mine],
+                 "ref_logprobs": [per_token["ref_logprobs"][i] for i in mine],
+                 "rollout_logprobs": [f["logprobs"] + 0.25 for f in forward]}
+    if separate_forward:
+        per_token["old_logprobs"] = [f["logprobs"] for f in forward]
+    state = setup_training(chunks, OPTIM)
+    metrics = train_step(state, seqs, starts, per_token, LOSS, temperature=0.9, micro_batch_tokens=40)
+    old = torch.cat([f["logprobs"] for f in forward])
+    return {"metrics": metrics, "params": [p.data.clone() for c in chunks for p in c.parameters()],
+            "entropy_sum": torch.cat([f["entropy"] for f in forward]).sum().item(),
+            "kl_sum": (old - torch.cat(per_token["ref_logprobs"])).sum().item(), "tokens": old.numel()}
+
+
+def test_on_policy_step_without_old_logprobs_equals_the_step_after_their_forward(reference):
+    """One optimizer step per batch: the update's own log-probs, detached, give the step that a separate
+    old-log-prob pass gives (weights, losses, grad norm), and it reports that pass's figures (rollout difference,
+    entropy, KL to the reference as token means over both data-parallel ranks)."""
+    loss, ckpt, _ = reference
+    if loss.mode == "gspo":
+        pytest.skip("one loss is enough: the old log-probs enter every mode the same way")
+    (expected,) = spawn(_on_policy, 1, ParallelConfig(), ckpt, True)
+    (alone,) = spawn(_on_policy, 1, ParallelConfig(), ckpt, False)
+    for p, e in zip(alone["params"], expected["params"]):
+        assert (p - e).abs().max().item() < TOL
+    for key in ("pg_loss", "kl_loss", "entropy", "grad_norm"):
+        assert abs(alone["metrics"][key] - expected["metrics"][key]) < TOL, key
+    assert abs(alone["metrics"]["rollout_logprob_diff"] - 0.25) < TOL
+    assert abs(alone["metrics"]["token_entropy"] - expected["entropy_sum"] / expected["tokens"]) < TOL
+    assert abs(alone["metrics"]["kl_ref"] - expected["kl_sum"] / expected["tokens"]) < TOL
+    assert "rollout_logprob_diff" not in expected["metrics"]
+    for r in spawn(_on_policy, 2, ParallelConfig(), ckpt, False):
+        if "pg_loss" in r["metrics"]:
+            for key in ("pg_loss", "grad_norm", "rollout_logprob_diff", "token_entropy", "kl_ref"):
+                assert abs(r["metrics"][key] - alone["metrics"][key]) < TOL, key

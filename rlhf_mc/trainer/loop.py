@@ -63,7 +63,7 @@ def _rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token: dict[str, list[torch.Tensor]]
                ) -> dict[str, list[torch.Tensor]]:
     """Per response token: "advantages" (and "returns" for GAE), from the scores and the per-token fields."""
-    algo, lengths = recipe.algorithm, [len(x) for x in per_token["old_logprobs"]]
+    algo, lengths = recipe.algorithm, [len(x) for x in per_token["rollout_logprobs"]]
     width = max(lengths)
     mask = _padded([torch.ones(n) for n in lengths], width).bool()
     s, g = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups)
@@ -300,11 +300,13 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
             seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
             starts = [len(prompts[s.prompt_index].ids) for s in samples]
             per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
-            with timer("old_logprob"):
-                out = actor.forward("logprobs", seqs, starts, temperature=temperature, with_entropy=True,
-                                    micro_batch_tokens=recipe.actor.micro_batch_tokens)
-                per_token["old_logprobs"] = [o["logprobs"] for o in out]
-                entropy = torch.cat([o["entropy"] for o in out])
+            entropy = None
+            if not recipe.old_logprobs_from_update:
+                with timer("old_logprob"):
+                    out = actor.forward("logprobs", seqs, starts, temperature=temperature, with_entropy=True,
+                                        micro_batch_tokens=recipe.actor.micro_batch_tokens)
+                    per_token["old_logprobs"] = [o["logprobs"] for o in out]
+                    entropy = torch.cat([o["entropy"] for o in out])
             if recipe.uses_reference:
                 with timer("ref_logprob"):
                     # The reference's own worker group, or its weights swapped into the actor's modules.
@@ -360,19 +362,29 @@ def _save(actor, critic, run_dir: Path, step: int, keep: int) -> None:
     checkpoints.prune(run_dir, keep)
 
 
+def _old_policy_metrics(per_token, entropy: torch.Tensor | None, actor_metrics: dict) -> dict:
+    """Rollout vs trainer log-probs of the same tokens (near 0 when engine and actor agree), the entropy and the KL
+    to the reference: from the old-log-prob pass, or reported by an on-policy update that stood in for it."""
+    if entropy is None:
+        names = {"rollout_logprob_diff": "rollout/logprob_diff", "token_entropy": "actor/entropy",
+                 "kl_ref": "actor/kl_ref"}
+        return {names[k]: actor_metrics.pop(k) for k in list(actor_metrics) if k in names}
+    old = torch.cat(per_token["old_logprobs"])
+    out = {"actor/entropy": entropy.mean().item(),
+           "rollout/logprob_diff": (old - torch.cat(per_token["rollout_logprobs"])).abs().mean().item()}
+    if "ref_logprobs" in per_token:
+        out["actor/kl_ref"] = core.kl_penalty(old, torch.cat(per_token["ref_logprobs"]), "k1").mean().item()
+    return out
+
+
 def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,
                   empty, correct) -> dict:
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    old, rollout_lp = torch.cat(per_token["old_logprobs"]), torch.cat(per_token["rollout_logprobs"])
     out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s >= correct for s in scores) / len(scores),
            **reward_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
            "response/clipped_fraction": sum(s.finish_reason != "stop" for s in samples) / len(samples),
-           "actor/entropy": entropy.mean().item(),
-           # Rollout vs trainer log-probs of the same tokens: near 0 when engine and actor agree.
-           "rollout/logprob_diff": (old - rollout_lp).abs().mean().item(),
+           **_old_policy_metrics(per_token, entropy, actor_metrics),
            "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples_empty": empty}
-    if "ref_logprobs" in per_token:
-        out["actor/kl_ref"] = core.kl_penalty(old, torch.cat(per_token["ref_logprobs"]), "k1").mean().item()
     out.update({f"actor/{k}": v for k, v in actor_metrics.items() if not (isinstance(v, float) and math.isnan(v))})
     out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     return out

@@ -143,6 +143,9 @@ class AlgorithmSection:
     lam: float = 1.0  # GAE lambda
     kl_in_reward_coef: float = 0.0  # KL to the reference subtracted from the token rewards (PPO style)
     kl_in_reward_estimator: KLEstimator = "k1"
+    # With one optimizer step per batch (one mini-batch, one epoch) the old policy is the current one: the update's
+    # own log-probs, detached, stand for the old ones, and their forward pass is skipped (verl and slime run it).
+    skip_on_policy_old_logprobs: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +239,15 @@ class Recipe:
     def uses_reference(self) -> bool:
         return self.actor.loss.kl_loss_coef > 0 or self.algorithm.kl_in_reward_coef > 0
 
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """The step's one optimizer step computes the old log-probs (see skip_on_policy_old_logprobs); the KL in
+        the reward needs them before the advantages, so it keeps the forward."""
+        actor = self.actor
+        return (self.algorithm.skip_on_policy_old_logprobs and actor.ppo_epochs == 1
+                and actor.ppo_mini_batch_size in (0, self.data.train_batch_size)
+                and self.algorithm.kl_in_reward_coef == 0)
+
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """`a.b.c=value` (value parsed as YAML) into the nested mapping; the schema check afterwards names bad keys."""
@@ -295,6 +307,7 @@ class Plan:
     mini_batches_per_step: int
     sequences_per_mini_batch_per_rank: int
     optimizer_steps_per_step: int
+    old_logprobs_from_update: bool
     max_sequence_tokens: int
     context_length: int
     sync_transport: str
@@ -311,6 +324,8 @@ class Plan:
                 f"per step: {self.sequences_per_step} sequences in {self.mini_batches_per_step} mini-batch(es) x "
                 f"epochs = {self.optimizer_steps_per_step} optimizer step(s); "
                 f"{self.sequences_per_mini_batch_per_rank} sequences per mini-batch per data-parallel rank",
+                "old log-probs: " + ("the update's own (one on-policy optimizer step)"
+                                     if self.old_logprobs_from_update else "a forward pass before the update"),
                 f"longest sequence {self.max_sequence_tokens} tokens; engine context {self.context_length}; "
                 f"weight sync: {self.sync_transport}"
                 + ("; colocated: engines release their memory while the trainer works" if self.colocated else ""),
@@ -452,7 +467,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 ref_world=ref_world, reward_world=reward_world,
                 sequences_per_step=recipe.data.train_batch_size * recipe.rollout.n,
                 mini_batches_per_step=mini_batches, sequences_per_mini_batch_per_rank=per_rank,
-                optimizer_steps_per_step=mini_batches * epochs, max_sequence_tokens=longest, context_length=context,
+                optimizer_steps_per_step=mini_batches * epochs,
+                old_logprobs_from_update=recipe.old_logprobs_from_update, max_sequence_tokens=longest,
+                context_length=context,
                 sync_transport=transport, colocated=colocated and not attached, tp_groups=tp_groups, engines=engines,
                 placement=placement)
 

@@ -102,9 +102,12 @@ def _scaled(loss_and_report, scale):
 def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
                per_token: dict[str, list[torch.Tensor]], cfg: PolicyLossConfig, temperature: float = 1.0,
                micro_batch_tokens: int = 8192) -> dict:
-    """Actor step. `per_token`: per sequence, values for its response tokens: "advantages", "old_logprobs", and
-    where used "ref_logprobs" (kl_loss_coef > 0) and "rollout_logprobs" (tis_cap). This rank's data-parallel
-    share."""
+    """Actor step. `per_token`: per sequence, values for its response tokens: "advantages", "rollout_logprobs",
+    "old_logprobs", and where used "ref_logprobs" (kl_loss_coef > 0). This rank's data-parallel share.
+
+    Without "old_logprobs" the step is on-policy (one optimizer step per batch): the old log-probs are this
+    forward's own, detached, and the step reports what a separate old-log-prob pass would have given: the mean
+    |old - rollout| log-prob difference, the mean token entropy and the k1 KL to the reference."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
@@ -112,25 +115,32 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
     microbatches = _aligned_microbatches(sequences, response_starts, per_token, cfg.aggregation, micro_batch_tokens,
                                          config=state.model[0].config, interleaved=len(state.model) > 1)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    on_policy = "old_logprobs" not in per_token
 
     def loss_fn(mb, logits):
         logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
-                                                    with_entropy=cfg.entropy_coef > 0)
+                                                    with_entropy=cfg.entropy_coef > 0 or on_policy)
         logprobs, w = logprobs.unsqueeze(0), mb["weight"]
         mask = w > 0
-        ratio_weights = (core.truncated_importance_weights(mb["old_logprobs"], mb["rollout_logprobs"], cfg.tis_cap)
+        old = logprobs.detach() if on_policy else mb["old_logprobs"]
+        ratio_weights = (core.truncated_importance_weights(old, mb["rollout_logprobs"], cfg.tis_cap)
                          if cfg.tis_cap is not None else None)
-        seq_log_ratio = _segment_mean(logprobs.detach() - mb["old_logprobs"], mb["segment"], mask, cp_group) \
+        seq_log_ratio = _segment_mean(logprobs.detach() - old, mb["segment"], mask, cp_group) \
             if cfg.mode == "gspo" else None
         # The aggregation lives in the token weights; policy_loss then sums over the row ("seq-mean-token-sum" of
         # one row).
         pg, stats = core.policy_loss(
-            logprobs, mb["old_logprobs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
+            logprobs, old, mb["advantages"], mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip,
             cfg.mode, aggregation="seq-mean-token-sum",
             token_weights=w if ratio_weights is None else w * ratio_weights, seq_log_ratio=seq_log_ratio)
         loss = pg
         report = {"pg_loss": pg.detach(), "tokens": mask.sum().detach().float(),
                   "clip_fraction": stats["clip_fraction"] * mask.sum(), "approx_kl": stats["approx_kl"] * mask.sum()}
+        if on_policy:
+            report["rollout_logprob_diff"] = ((old - mb["rollout_logprobs"]).abs() * mask).sum()
+            report["token_entropy"] = (entropy.detach().unsqueeze(0) * mask).sum()
+            if "ref_logprobs" in mb:
+                report["kl_ref"] = (core.kl_penalty(old, mb["ref_logprobs"], "k1") * mask).sum()
         if cfg.kl_loss_coef > 0:
             kl_loss = (core.kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * w).sum()
             loss = loss + cfg.kl_loss_coef * kl_loss
@@ -204,7 +214,7 @@ def _reduce_reports(reports: list[dict], dp_group) -> dict:
     dist.all_reduce(totals, group=dp_group)
     out = dict(zip(keys, totals.tolist()))
     tokens = max(out.pop("tokens"), 1.0)
-    for key in ("clip_fraction", "approx_kl"):  # token averages
+    for key in ("clip_fraction", "approx_kl", "rollout_logprob_diff", "token_entropy", "kl_ref"):  # token averages
         if key in out:
             out[key] /= tokens
     return out
