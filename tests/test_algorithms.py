@@ -20,16 +20,19 @@ def close(x, expected, tol=1e-5):
 LOSS = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 
 
-@pytest.mark.parametrize("mask, token_mean, seq_sum, seq_mean", [
-    ([[1, 1, 0], [1, 0, 0]], 7 / 3, 3.5, 2.75),
-    ([[1, 1, 0], [0, 0, 0]], 1.5, 3.0, 1.5),  # a sequence with no tokens is not counted
-    ([[0, 0, 0], [0, 0, 0]], 0.0, 0.0, 0.0),  # all masked: zero, not NaN
+@pytest.mark.parametrize("mask, token_mean, token_sum, seq_sum, seq_mean, seq_sum_norm", [
+    ([[1, 1, 0], [1, 0, 0]], 7 / 3, 7.0, 3.5, 2.75, (3 / 4 + 4 / 4) / 2),
+    ([[1, 1, 0], [0, 0, 0]], 1.5, 3.0, 3.0, 1.5, 3 / 4),  # a sequence with no tokens is not counted
+    ([[0, 0, 0], [0, 0, 0]], 0.0, 0.0, 0.0, 0.0, 0.0),  # all masked: zero, not NaN
 ])
-def test_aggregation_modes(mask, token_mean, seq_sum, seq_mean):
+def test_aggregation_modes(mask, token_mean, token_sum, seq_sum, seq_mean, seq_sum_norm):
     mask = t(mask)
     close(A.aggregate(LOSS, mask, "token-mean"), token_mean)
+    close(A.aggregate(LOSS, mask, "token-sum"), token_sum)
     close(A.aggregate(LOSS, mask, "seq-mean-token-sum"), seq_sum)
     close(A.aggregate(LOSS, mask, "seq-mean-token-mean"), seq_mean)
+    close(A.aggregate(LOSS, mask, "seq-mean-token-sum-norm", norm_length=4), seq_sum_norm)  # Dr. GRPO
+    close(A.aggregate(LOSS, mask, "seq-mean-token-sum-norm"), seq_sum_norm * 4 / 3)  # default: the width, 3
 
 
 def test_all_masked_loss_has_zero_finite_gradient():
@@ -73,6 +76,9 @@ def test_reinforce_pp_variants():
     close(A.reinforce_pp_advantages(rewards, mask), A.masked_whiten(returns, mask))
     adv = A.reinforce_pp_baseline_advantages(t([1.0, 3.0]), t([0, 0]), mask)
     close(adv, A.masked_whiten(t([[-1.0, -1.0], [1.0, 1.0]]), mask))
+    # groups of one keep their scores (3 and 5, not 0 and 0) before the batch whitening
+    adv = A.reinforce_pp_baseline_advantages(t([1.0, 3.0, 3.0, 5.0]), t([0, 0, 1, 2]), torch.ones(4, 1))
+    close(adv, A.masked_whiten(t([[-1.0], [1.0], [3.0], [5.0]]), torch.ones(4, 1)))
 
 
 def test_gae():
@@ -92,8 +98,20 @@ def test_kl_estimators():
     close(A.kl_penalty(logp, ref, "k2"), [0.125])
     close(A.kl_penalty(logp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1])
     close(A.kl_penalty(t([0.0]), t([-100.0]), "k3"), [10.0])  # log-ratio clamped to -20: 19, then clamped to 10
+    close(A.kl_penalty(t([-2.0]), ref, "abs"), [0.5])
     with pytest.raises(ValueError, match="kl estimator: unknown 'k9'"):
         A.kl_penalty(logp, ref, "k9")
+    with pytest.raises(ValueError, match="kl estimator: unknown 'k2\\+'"):
+        A.kl_penalty(logp, ref, "k2+")
+
+
+@pytest.mark.parametrize("estimator, value", [("k1+", 0.5), ("k3+", math.exp(-0.5) + 0.5 - 1), ("abs+", 0.5)])
+def test_straight_through_kl_has_the_value_of_its_estimator_and_the_gradient_of_k2(estimator, value):
+    logp = t([-1.0], requires_grad=True)
+    kl = A.kl_penalty(logp, t([-1.5]), estimator)
+    close(kl, [value])
+    kl.sum().backward()
+    close(logp.grad, [0.5])  # d/dlogp (logp - ref)^2 / 2 = logp - ref
 
 
 def test_kl_in_reward_puts_the_score_on_the_last_token():
@@ -110,6 +128,8 @@ def test_ppo_clip_and_clip_higher():
     close(loss, (-1.2 + 0.8) / 2)
     close(stats["clip_fraction"], 1.0)
     close(stats["approx_kl"], (-math.log(1.5) - math.log(0.5)) / 2)
+    _, stats = A.policy_loss(t([[-60.0]]), torch.zeros(1, 1), t([[1.0]]), torch.ones(1, 1))
+    close(stats["approx_kl"], 20.0)  # the log-ratio clamped at -20, as in the ratio
     loss, stats = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)  # DAPO clip-higher
     close(loss, (-1.5 + 0.8) / 2)
     close(stats["clip_fraction"], 0.5)
@@ -151,3 +171,45 @@ def test_clipped_value_loss():
     close(stats["value_clip_fraction"], 1.0)
     loss, _ = A.value_loss(t([[1.0, 9.0]]), t([[1.0, 0.0]]), t([[2.0, 0.0]]), t([[1, 0]]), clip=0.2)
     close(loss, 0.5 * 1.0)
+
+
+def test_overlong_penalty_grows_linearly_over_the_buffer():
+    from rlhf_mc.rewards.shaping import overlong_penalty
+
+    # budget 20, buffer 4: nothing up to 16 tokens, then -0.5 per token (penalty 2) to -2 at 20
+    assert [overlong_penalty(n, 20, 4, 2.0) for n in (10, 16, 17, 18, 20)] == [0.0, 0.0, -0.5, -1.0, -2.0]
+    assert overlong_penalty(20, 20, 0, 2.0) == 0.0
+
+
+def test_kl_in_reward_enters_the_outcome_estimators_scores():
+    """GRPO with the KL in the reward (verl's): a sequence's score is its summed token rewards, score - coef * KL;
+    two equal scores with different KLs then get opposite advantages (were 0 when the KL was dropped)."""
+    from pathlib import Path
+
+    from rlhf_mc.trainer.loop import advantages
+    from rlhf_mc.trainer.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml",
+                         ["algorithm.estimator=grpo", "algorithm.kl_in_reward_coef=0.5",
+                          "algorithm.kl_in_reward_estimator=k1"])
+    old = [t([-1.0, -1.0]), t([-1.0])]
+    per_token = {"rollout_logprobs": old, "old_logprobs": old, "ref_logprobs": [t([-1.5, -2.0]), t([-1.0])]}
+    adv = advantages(recipe, [1.0, 1.0], [0, 0], per_token)["advantages"]
+    # scores 1 - 0.5 * (0.5 + 1.0) = 0.25 and 1 - 0 = 1: mean 0.625, unbiased std 0.375 * sqrt(2)
+    a = 0.375 / (0.375 * math.sqrt(2) + 1e-6)
+    close(adv[0], [-a, -a])
+    close(adv[1], [a])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_trainer_token_weights_give_the_aggregation(mode):
+    """The trainer aggregates packed micro-batches through per-token weights (workers/train.py): the weighted sum
+    over the mini-batch equals core.aggregate on the padded batch, every mode."""
+    from rlhf_mc.workers.train import _token_weights
+
+    mask = t([[1, 1, 0], [1, 1, 1]])
+    lengths = [2, 3]
+    weights = _token_weights(lengths, mode, total_tokens=5, total_seqs=2, norm_length=4)
+    weighted = sum(w * LOSS[i, :n].sum() for i, (w, n) in enumerate(zip(weights, lengths)))
+    close(weighted, A.aggregate(LOSS, mask, mode, norm_length=4))

@@ -11,8 +11,10 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-KLEstimator = Literal["k1", "k2", "k3"]
+Aggregation = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
+# "+": the straight-through variant (verl's): the estimator's value, k2's gradient (the unbiased one of the KL)
+KLEstimator = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
 
 LOG_RATIO_CLAMP = 20.0  # verl: log-ratios are clamped to +-20 before exp
 
@@ -41,19 +43,27 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(mask, out, torch.zeros_like(out))
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean",
+              norm_length: int | None = None) -> torch.Tensor:
     """Reduces a per-token loss [B, T] to a scalar.
 
-    token-mean: over all masked-in tokens; seq-mean-token-sum: mean over sequences of each sequence's token sum;
-    seq-mean-token-mean: mean over sequences (with at least one token) of each sequence's token mean.
+    token-mean: over all masked-in tokens; token-sum: their sum; seq-mean-token-sum: mean over sequences of each
+    sequence's token sum; seq-mean-token-mean: mean over sequences (with at least one token) of each sequence's token
+    mean; seq-mean-token-sum-norm (Dr. GRPO): mean over sequences of each sequence's token sum / norm_length, a
+    constant (the response budget; default T). verl divides the sum over a micro-batch by the constant and averages
+    over micro-batches, which scales with the sequences per micro-batch; this mean over sequences does not.
     An all-masked batch gives 0."""
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         return masked_mean(loss, mask)
+    if mode == "token-sum":
+        return masked_sum(loss, mask)
     per_seq = masked_sum(loss, mask, dim=-1)
     has_tokens = mask.sum(-1) > 0
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = per_seq / (norm_length or loss.size(-1))
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"loss aggregation: unknown mode {mode!r}")
     return masked_mean(per_seq, has_tokens)
@@ -115,11 +125,13 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
 
 def reinforce_pp_baseline_advantages(scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
                                      ) -> torch.Tensor:
-    """REINFORCE++ with baseline: score minus its group mean, broadcast over the tokens, whitened over the batch."""
+    """REINFORCE++ with baseline: score minus its group mean, broadcast over the tokens, whitened over the batch. A
+    group of one keeps its score (its baseline is 0, verl's convention, as GRPO and RLOO do here)."""
     centered = torch.empty_like(scores)
     for g in torch.unique(group):
         members = group == g
-        centered[members] = scores[members] - scores[members].mean()
+        s = scores[members]
+        centered[members] = s if s.numel() == 1 else s - s.mean()
     return masked_whiten(_broadcast(centered, mask), mask)
 
 
@@ -149,17 +161,26 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from the sampled tokens' log-probs.
 
-    k1: log r with r = pi/ref; k2: (log r)^2 / 2; k3 (low_var_kl, verl's): ref/pi - log(ref/pi) - 1 with
-    log(ref/pi) clamped to +-20 and the result to [-10, 10]."""
+    k1: log r with r = pi/ref; abs: |log r|; k2: (log r)^2 / 2; k3 (low_var_kl, verl's): ref/pi - log(ref/pi) - 1
+    with log(ref/pi) clamped to +-20 and the result to [-10, 10]. A "+" suffix (k1+, k3+, abs+): the estimator's
+    value with k2's gradient, straight through (k1's and k3's expected gradients are not the KL's; k2's is)."""
     log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
+    base = estimator.removesuffix("+")
+    if base == "k1":
+        value = log_ratio
+    elif base == "abs":
+        value = log_ratio.abs()
+    elif base == "k2" and estimator == "k2":
         return 0.5 * log_ratio ** 2
-    if estimator == "k3":
+    elif base == "k3":
         kl = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"kl estimator: unknown {estimator!r} (k1, k2, k3)")
+        value = (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"kl estimator: unknown {estimator!r} (k1, k2, k3, abs, k1+, k3+, abs+)")
+    if estimator.endswith("+"):
+        k2 = 0.5 * log_ratio ** 2
+        return k2 - k2.detach() + value.detach()
+    return value
 
 
 def token_rewards_with_kl(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
@@ -175,7 +196,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 clip_low: float = 0.2, clip_high: float | None = None, dual_clip: float | None = None,
                 mode: Literal["ppo", "gspo"] = "ppo", aggregation: Aggregation = "token-mean",
                 token_weights: torch.Tensor | None = None, seq_log_ratio: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, dict]:
+                norm_length: int | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss and its statistics.
 
     ppo: token ratio exp(clamp(logp - old, +-20)); loss = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
@@ -186,16 +207,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     token_weights: per-token weights (truncated importance sampling), applied to the per-token loss.
     seq_log_ratio: for gspo on packed rows, each token's sequence mean log-ratio, computed by the caller (a row
       then holds several sequences); by default each row is one sequence.
-    Stats: clip_fraction (tokens where the clipped branch is taken), approx_kl (mean of old - logp)."""
+    Stats: clip_fraction (tokens where the clipped branch is taken), approx_kl (mean of old - logp, the log-ratio
+    clamped as the ratio's)."""
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip: must be > 1, got {dual_clip}")
-    log_ratio = logprobs - old_logprobs
+    raw_log_ratio = logprobs - old_logprobs
+    log_ratio = raw_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if mode == "ppo":
-        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        ratio = torch.exp(log_ratio)
     elif mode == "gspo":
         if seq_log_ratio is None:
-            seq_log_ratio = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)
+            seq_log_ratio = masked_mean(raw_log_ratio, mask, dim=-1).unsqueeze(-1)
         token_log_ratio = logprobs - logprobs.detach() + seq_log_ratio.detach()
         ratio = torch.exp(token_log_ratio.clamp(max=10.0))
     else:
@@ -209,7 +232,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         loss = loss * token_weights.detach()
     stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), mask).detach(),
              "approx_kl": masked_mean(-log_ratio, mask).detach()}
-    return aggregate(loss, mask, aggregation), stats
+    return aggregate(loss, mask, aggregation, norm_length), stats
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,

@@ -19,6 +19,7 @@ from rlhf_mc.algorithms import core
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.rewards.scoring import RewardScorer
+from rlhf_mc.rewards.shaping import overlong_penalty
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.sync.weights import check_versions
 from rlhf_mc.trainer import checkpoints
@@ -72,6 +73,8 @@ def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token
         kl = core.kl_penalty(_padded(per_token["old_logprobs"], width), _padded(per_token["ref_logprobs"], width),
                              algo.kl_in_reward_estimator)
         token_rewards = core.token_rewards_with_kl(s, kl, mask, algo.kl_in_reward_coef)
+        # The outcome estimators take a sequence's summed token rewards as its score (verl's): score - coef * KL.
+        s = core.masked_sum(token_rewards, mask, dim=-1)
     out = {}
     if algo.estimator == "grpo":
         adv = core.grpo_advantages(s, g, mask, algo.norm_by_std)
@@ -134,9 +137,10 @@ def rollout(cluster: Cluster, schedule: ColocationSchedule, tokenizer, prompts: 
     return samples, texts
 
 
-def score(scorer: RewardScorer | None, reward_model, prompts: list[Prompt], samples, texts: list[str]
-          ) -> tuple[list[float], dict]:
-    """Per sample: the rule's score (reward.function) plus the reward model's (reward.model), with their stats."""
+def score(scorer: RewardScorer | None, reward_model, overlong: tuple[int, int, float], prompts: list[Prompt],
+          samples, texts: list[str]) -> tuple[list[float], dict]:
+    """Per sample: the rule's score (reward.function) plus the reward model's (reward.model) plus the overlong
+    penalty (`overlong`: max_length, buffer, penalty), with their stats."""
     scores, stats = [0.0] * len(samples), {}
     if scorer is not None:
         scores, stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
@@ -148,6 +152,10 @@ def score(scorer: RewardScorer | None, reward_model, prompts: list[Prompt], samp
         learned = [o["values"][0].item() for o in out]
         scores = [a + b for a, b in zip(scores, learned)]
         stats["reward/model_mean"] = sum(learned) / len(learned)
+    if overlong[1]:
+        penalties = [overlong_penalty(len(s.response_ids), *overlong) for s in samples]
+        scores = [a + b for a, b in zip(scores, penalties)]
+        stats["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
     return scores, stats
 
 
@@ -256,7 +264,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.call("load_hf", reward_path, "score.weight")
-        metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, (scorer, reward_model),
+        overlong = (data.max_response_length, recipe.reward.overlong_buffer, recipe.reward.overlong_penalty)
+        metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer,
+                             (scorer, reward_model, overlong),
                              train_prompts, val_prompts, trainer_state["step"], total_steps, logger, run_dir,
                              dropped, stop)
         if stop():
@@ -274,7 +284,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
 def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts,
                step, total_steps, logger, run_dir, dropped, stop: Stop) -> dict:
     data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
-    loss_cfg = PolicyLossConfig(**dataclasses.asdict(recipe.actor.loss))
+    loss_cfg = PolicyLossConfig(**{**dataclasses.asdict(recipe.actor.loss),
+                                   "norm_length": recipe.actor.loss.norm_length or data.max_response_length})
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)

@@ -90,8 +90,14 @@ class PolicyLossSection:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling against the rollout log-probs
+    norm_length: int = 0  # seq-mean-token-sum-norm's constant divisor; 0 = data.max_response_length
 
     def __post_init__(self):
+        if self.norm_length < 0:
+            raise ConfigError(f"norm_length: must be >= 0, got {self.norm_length}")
+        if self.norm_length and self.aggregation != "seq-mean-token-sum-norm":
+            raise ConfigError(f"norm_length: {self.norm_length} is read by aggregation=seq-mean-token-sum-norm only, "
+                              f"not {self.aggregation}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: must be > 1, got {self.dual_clip}")
         if self.kl_loss_coef < 0:
@@ -162,10 +168,17 @@ class RewardSection:
     failure_score: float = 0.0
     correct_score: float = 1.0  # a score at or above it counts as correct (accuracy, pass@k)
     workers: int = 4  # reward calls in flight
+    # DAPO's overlong shaping: over the last overlong_buffer tokens of data.max_response_length a penalty grows
+    # linearly from 0 to overlong_penalty (at the full budget), added to the score; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self):
         if not self.function and not self.model:
             raise ConfigError("function: no reward: give reward.function, reward.model or both")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError(f"overlong_buffer, overlong_penalty: must be >= 0, got {self.overlong_buffer}, "
+                              f"{self.overlong_penalty}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +415,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if recipe.rollout.n == 1 and recipe.algorithm.estimator in ("grpo", "rloo"):
         raise ConfigError(f"rollout.n: 1 with algorithm.estimator={recipe.algorithm.estimator} gives every sample a "
                           "zero advantage (a group of one); use n >= 2")
+    if recipe.reward.overlong_buffer >= recipe.data.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer: {recipe.reward.overlong_buffer} must be below "
+                          f"data.max_response_length={recipe.data.max_response_length}")
     longest = recipe.data.max_prompt_length + recipe.data.max_response_length
     for role, section in (("actor", recipe.actor), *((("critic", recipe.critic),) if recipe.uses_critic else ())):
         if section.micro_batch_tokens * section.parallel.cp < longest:

@@ -181,7 +181,7 @@ class ModelWorker:
                     metrics = train_step(self.state, seqs, starts, pt, loss_cfg, temperature, micro_batch_tokens)
                 elif kind == "critic":
                     metrics = critic_train_step(self.state, seqs, starts, pt, value_clip, loss_cfg.aggregation,
-                                                micro_batch_tokens)
+                                                micro_batch_tokens, loss_cfg.norm_length)
                 else:
                     metrics = sft_step(self.state, seqs, starts, micro_batch_tokens)
                 for k, v in metrics.items():

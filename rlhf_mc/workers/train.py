@@ -2,8 +2,9 @@
 the clipped policy loss (plus KL loss and entropy bonus), gradient clipping, per-step metrics.
 
 Every loss is a weighted sum of per-token terms over the whole mini-batch (all micro-batches, all data-parallel
-ranks), with weights from the aggregation mode (token-mean: 1 / all tokens; seq-mean-token-sum: 1 / all sequences;
-seq-mean-token-mean: 1 / (all sequences x the sequence's tokens)), so the step does not depend on how the
+ranks), with weights from the aggregation mode (token-mean: 1 / all tokens; token-sum: 1; seq-mean-token-sum:
+1 / all sequences; seq-mean-token-mean: 1 / (all sequences x the sequence's tokens); seq-mean-token-sum-norm:
+1 / (all sequences x norm_length)), so the step does not depend on how the
 mini-batch is split over micro-batches or ranks.
 """
 
@@ -29,19 +30,25 @@ class PolicyLossConfig:
     kl_estimator: core.KLEstimator = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None  # truncated importance sampling against the rollout log-probs
+    norm_length: int = 1  # seq-mean-token-sum-norm's constant (the response budget)
 
 
-def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int) -> list[float]:
+def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int, norm_length: int
+                   ) -> list[float]:
     if aggregation == "token-mean":
         return [1.0 / max(total_tokens, 1)] * len(lengths)
+    if aggregation == "token-sum":
+        return [1.0] * len(lengths)
     if aggregation == "seq-mean-token-sum":
         return [1.0 / max(total_seqs, 1)] * len(lengths)
+    if aggregation == "seq-mean-token-sum-norm":
+        return [1.0 / (max(total_seqs, 1) * norm_length)] * len(lengths)
     return [1.0 / (max(total_seqs, 1) * max(n, 1)) for n in lengths]
 
 
 def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[int],
                           per_token: dict[str, list[torch.Tensor]], aggregation: str, micro_batch_tokens: int,
-                          config, interleaved: bool) -> list[dict]:
+                          config, interleaved: bool, norm_length: int = 1) -> list[dict]:
     """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field plus the
     aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits predict the
     response tokens (position t carries the values for token t + 1)."""
@@ -55,7 +62,7 @@ def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[i
     lengths = [len(s) - start for s, start in zip(sequences, response_starts)]
     totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
-    weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]))
+    weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]), norm_length)
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
     microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
                                               pad_multiple(config))
@@ -113,7 +120,8 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
     microbatches = _aligned_microbatches(sequences, response_starts, per_token, cfg.aggregation, micro_batch_tokens,
-                                         config=state.model[0].config, interleaved=len(state.model) > 1)
+                                         config=state.model[0].config, interleaved=len(state.model) > 1,
+                                         norm_length=cfg.norm_length)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
     on_policy = "old_logprobs" not in per_token
 
@@ -156,11 +164,13 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
 
 def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
                       per_token: dict[str, list[torch.Tensor]], clip: float = 0.2,
-                      aggregation: core.Aggregation = "token-mean", micro_batch_tokens: int = 8192) -> dict:
+                      aggregation: core.Aggregation = "token-mean", micro_batch_tokens: int = 8192,
+                      norm_length: int = 1) -> dict:
     """Critic step (a model built with value_head=True): clipped value loss against "returns", around
     "old_values" (per sequence, per response token)."""
     microbatches = _aligned_microbatches(sequences, response_starts, per_token, aggregation, micro_batch_tokens,
-                                         config=state.model[0].config, interleaved=len(state.model) > 1)
+                                         config=state.model[0].config, interleaved=len(state.model) > 1,
+                                         norm_length=norm_length)
 
     def loss_fn(mb, output):
         w = mb["weight"]
