@@ -54,6 +54,15 @@ def char_codes(response: str, answer: str, prompt: str) -> float:
     return sum(map(ord, response)) / 1000
 
 
+def char_code_parity(response: str, answer: str, prompt: str) -> float:
+    """A reward on which about half of the groups of two samples tie: dynamic sampling has groups to drop."""
+    return float(sum(map(ord, response)) % 2)
+
+
+def constant(response: str, answer: str, prompt: str) -> float:
+    return 1.0
+
+
 def _start(out: Path, args: list[str] = ARGS) -> subprocess.Popen:
     """The launcher writing to <out>.log (not to a pipe, which a process left behind would hold open)."""
     log = open(out.with_suffix(".log"), "ab")
@@ -280,3 +289,27 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path):
+    """DAPO's dynamic sampling: groups whose two samples score alike are dropped and more prompts are rolled out
+    until the step has data.train_batch_size prompts (16 samples) whose groups differ; a reward that always ties
+    runs out of rounds with an error that says so."""
+    common = ["recipes/quickstart.yaml", "sft.data_path=", "trainer.total_steps=2", "data.train_batch_size=8",
+              "rollout.n=2", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]"]
+    out = tmp_path / "dapo"
+    _finish(_start(out, [*common, "reward.function=tests.test_trainer:char_code_parity",
+                         "algorithm.dynamic_sampling_max_rounds=8"]), out)
+    steps = _metrics(out)
+    assert sorted(steps) == [1, 2]
+    for record in steps.values():
+        # every kept group of two differs: one sample of each scores 1
+        assert record["data/samples"] == 16 and record["reward/accuracy"] == 0.5
+    assert sum(r["data/groups_dropped"] for r in steps.values()) > 0
+    assert max(r["data/rollout_rounds"] for r in steps.values()) > 1
+    tied = tmp_path / "tied"
+    proc = _start(tied, [*common, "reward.function=tests.test_trainer:constant",
+                         "algorithm.dynamic_sampling_max_rounds=2"])
+    assert proc.wait(timeout=900) != 0
+    assert ("algorithm.dynamic_sampling_max_rounds: after 2 rounds only 0 of data.train_batch_size=8 prompts had "
+            "groups whose scores differ (16 groups dropped)") in tied.with_suffix(".log").read_text()

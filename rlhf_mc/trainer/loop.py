@@ -137,6 +137,50 @@ def rollout(cluster: Cluster, schedule: ColocationSchedule, tokenizer, prompts: 
     return samples, texts
 
 
+def sample_batch(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, tokenizer, rewards: tuple,
+                 prompts: list[Prompt], sampling: SamplingParams, version: int, more_prompts, timer: Timer) -> tuple:
+    """The step's scored samples: (prompts, samples, texts, scores, stats). Samples without a response (prompts
+    over the context) are left out. With algorithm.dynamic_sampling_max_rounds (DAPO), the groups whose scores are
+    all equal are dropped and rounds of rollout go on, on `more_prompts(round)`, until data.train_batch_size prompts
+    have groups that differ (the last round's surplus is left unused); running out of rounds is an error."""
+    max_rounds, want = recipe.algorithm.dynamic_sampling_max_rounds, recipe.data.train_batch_size
+    kept_prompts, kept, kept_texts, kept_scores = [], [], [], []
+    stats: dict[str, float] = {"data/samples_empty": 0, "data/groups_dropped": 0}
+    for round_ in range(max(max_rounds, 1)):
+        with timer("rollout"):
+            samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
+        check_versions(samples, version)
+        stats["data/samples_empty"] += len(prompts) * sampling.n - sum(bool(s.response_ids) for s in samples)
+        answered = [i for i, s in enumerate(samples) if s.response_ids]
+        samples, texts = [samples[i] for i in answered], [texts[i] for i in answered]
+        with timer("reward"):
+            scores, reward_stats = score(*rewards, prompts, samples, texts)
+        for k, v in reward_stats.items():  # counts add up over rounds; means are the last round's
+            stats[k] = stats.get(k, 0) + v if k in ("reward/failures", "reward/timeouts") else v
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.prompt_index, []).append(i)
+        for p, members in groups.items():
+            if max_rounds and len({scores[i] for i in members}) == 1:
+                stats["data/groups_dropped"] += 1
+                continue
+            if max_rounds and len(kept_prompts) == want:
+                continue
+            for i in members:
+                samples[i].prompt_index = len(kept_prompts)
+            kept += [samples[i] for i in members]
+            kept_texts += [texts[i] for i in members]
+            kept_scores += [scores[i] for i in members]
+            kept_prompts.append(prompts[p])
+        if not max_rounds or len(kept_prompts) == want:
+            stats["data/rollout_rounds"] = round_ + 1
+            return kept_prompts, kept, kept_texts, kept_scores, stats
+        prompts = more_prompts(round_ + 1)
+    raise RuntimeError(f"algorithm.dynamic_sampling_max_rounds: after {max_rounds} rounds only {len(kept_prompts)} "
+                       f"of data.train_batch_size={want} prompts had groups whose scores differ "
+                       f"({stats['data/groups_dropped']} groups dropped)")
+
+
 def score(scorer: RewardScorer | None, reward_model, overlong: tuple[int, int, float], prompts: list[Prompt],
           samples, texts: list[str]) -> tuple[list[float], dict]:
     """Per sample: the rule's score (reward.function) plus the reward model's (reward.model) plus the overlong
@@ -299,15 +343,15 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
     while step < total_steps:
         with timer("step"):
             epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
-            prompts = [train_prompts[i] for i in rows]
-            with timer("rollout"):
-                samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
-            check_versions(samples, step)
+
+            def more_prompts(round_: int, step=step) -> list[Prompt]:  # dynamic sampling's further rounds
+                rng = random.Random(f"{trainer.seed}-{step}-{round_}")
+                return [train_prompts[i] for i in rng.sample(range(len(train_prompts)), data.train_batch_size)]
+
+            prompts, samples, texts, scores, reward_stats = sample_batch(
+                recipe, cluster, schedule, tokenizer, rewards, [train_prompts[i] for i in rows], sampling, step,
+                more_prompts, timer)
             schedule.after_rollout(timer)
-            kept = [i for i, s in enumerate(samples) if s.response_ids]  # prompts over the context get none
-            samples, texts = [samples[i] for i in kept], [texts[i] for i in kept]
-            with timer("reward"):
-                scores, reward_stats = score(*rewards, prompts, samples, texts)
             seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
             starts = [len(prompts[s.prompt_index].ids) for s in samples]
             per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
@@ -349,7 +393,7 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
                     _save(actor, critic, run_dir, step, trainer.keep_checkpoints)
             sync_metrics = schedule.before_rollout(step, timer)
         metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
-                                epoch, dropped, len(rows) * r.n - len(samples), recipe.reward.correct_score)
+                                epoch, dropped, recipe.reward.correct_score)
         metrics.update(sync_metrics, **timer.times, **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
         timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
@@ -389,13 +433,13 @@ def _old_policy_metrics(per_token, entropy: torch.Tensor | None, actor_metrics: 
 
 
 def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,
-                  empty, correct) -> dict:
+                  correct) -> dict:
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s >= correct for s in scores) / len(scores),
            **reward_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
            "response/clipped_fraction": sum(s.finish_reason != "stop" for s in samples) / len(samples),
            **_old_policy_metrics(per_token, entropy, actor_metrics),
-           "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples_empty": empty}
+           "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples": len(samples)}
     out.update({f"actor/{k}": v for k, v in actor_metrics.items() if not (isinstance(v, float) and math.isnan(v))})
     out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     return out

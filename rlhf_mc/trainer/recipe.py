@@ -152,6 +152,10 @@ class AlgorithmSection:
     # With one optimizer step per batch (one mini-batch, one epoch) the old policy is the current one: the update's
     # own log-probs, detached, stand for the old ones, and their forward pass is skipped (verl and slime run it).
     skip_on_policy_old_logprobs: bool = True
+    # DAPO's dynamic sampling: the groups whose scores are all equal (zero advantages) are dropped and rollouts go
+    # on, on more prompts, until data.train_batch_size prompts have groups that differ; at most this many rollout
+    # rounds per step (then the step fails, saying so); 0 = off
+    dynamic_sampling_max_rounds: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +419,14 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if recipe.rollout.n == 1 and recipe.algorithm.estimator in ("grpo", "rloo"):
         raise ConfigError(f"rollout.n: 1 with algorithm.estimator={recipe.algorithm.estimator} gives every sample a "
                           "zero advantage (a group of one); use n >= 2")
+    if recipe.algorithm.dynamic_sampling_max_rounds < 0:
+        raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: must be >= 0, got "
+                          f"{recipe.algorithm.dynamic_sampling_max_rounds}")
+    if recipe.algorithm.dynamic_sampling_max_rounds and (
+            recipe.rollout.n < 2 or recipe.algorithm.estimator not in ("grpo", "rloo", "reinforce_pp_baseline")):
+        raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: dynamic sampling drops groups of equal scores; "
+                          f"it needs a group estimator (grpo, rloo, reinforce_pp_baseline) and rollout.n >= 2, got "
+                          f"{recipe.algorithm.estimator} with n={recipe.rollout.n}")
     if recipe.reward.overlong_buffer >= recipe.data.max_response_length:
         raise ConfigError(f"reward.overlong_buffer: {recipe.reward.overlong_buffer} must be below "
                           f"data.max_response_length={recipe.data.max_response_length}")
