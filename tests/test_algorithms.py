@@ -137,8 +137,9 @@ def test_ppo_clip_and_clip_higher():
 
 def test_dual_clip_caps_negative_advantages_only():
     logp, old = t([[math.log(5.0), math.log(5.0)]]), torch.zeros(1, 2)
-    loss, _ = A.policy_loss(logp, old, t([[-1.0, 1.0]]), t([[1, 0]]), dual_clip=3.0)
+    loss, stats = A.policy_loss(logp, old, t([[-1.0, 1.0]]), t([[1, 0]]), dual_clip=3.0)
     close(loss, 3.0)  # max(5, 1.2) = 5, capped at 3
+    close(stats["dual_clip_fraction"], 1.0)
     loss, _ = A.policy_loss(logp, old, t([[-1.0, 1.0]]), t([[0, 1]]), dual_clip=3.0)
     close(loss, -1.2)  # positive advantage: ordinary clip
     with pytest.raises(ValueError, match="dual_clip: must be > 1"):
@@ -157,9 +158,30 @@ def test_gspo_uses_the_sequence_ratio():
     close(logp.grad, [[-math.sqrt(2) / 2, -math.sqrt(2) / 2]])  # d/dlogp_t of -sg[s] pi_t/sg[pi_t], mean over t
 
 
-def test_truncated_importance_weights():
-    w = A.truncated_importance_weights(t([0.0, 0.0]), t([-math.log(3.0), -math.log(0.5)]), cap=2.0)
-    close(w, [2.0, 0.5])
+# trainer-minus-rollout log-ratios: sequence 0 has token ratios 3 and 0.5 (product 1.5, geometric mean 1.22),
+# sequence 1 has 1.5 and 1.5 (product 2.25, geometric mean 1.5); the third column is masked out
+OLD, MASK = torch.zeros(2, 3), t([[1, 1, 0], [1, 1, 0]])
+ROLLOUT = -t([[math.log(3.0), math.log(0.5), 0.0], [math.log(1.5), math.log(1.5), 0.0]])
+
+
+@pytest.mark.parametrize("kwargs, weights, rejected", [
+    (dict(tis_cap=2.0), [[2.0, 0.5], [1.5, 1.5]], 0.0),  # token TIS
+    (dict(tis_cap=2.0, tis_level="sequence"), [[1.5, 1.5], [2.0, 2.0]], 0.0),  # products 1.5 and 2.25 -> 2
+    (dict(reject="token"), [[0.0, 1.0], [1.0, 1.0]], 0.25),  # IcePop: 3 is outside [0.5, 2]; 0.5 is inside
+    (dict(reject="sequence"), [[1.0, 1.0], [0.0, 0.0]], 0.5),  # 2.25 outside
+    (dict(reject="geometric", reject_high=1.4), [[1.0, 1.0], [0.0, 0.0]], 0.5),  # 1.5 outside, 1.22 inside
+    (dict(tis_cap=2.0, reject="token"), [[0.0, 0.5], [1.5, 1.5]], 0.25),
+])
+def test_rollout_correction(kwargs, weights, rejected):
+    w, stats = A.rollout_correction(OLD, ROLLOUT, MASK, **kwargs)
+    close(w[:, :2], weights)
+    close(stats["rejected_fraction"], rejected)
+    close(stats["log_ppl_ratio"], math.log(3.0 * 0.5 * 1.5 * 1.5) / 4)
+    if kwargs.get("tis_level", "token") == "token" and "tis_cap" in kwargs:
+        close(stats["is_weight"], (2.0 + 0.5 + 1.5 + 1.5) / 4)
+
+
+def test_token_weights_scale_the_policy_loss():
     logp = torch.zeros(1, 2, requires_grad=True)
     loss, _ = A.policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), token_weights=t([[2.0, 0.5]]))
     close(loss, (-2.0 - 0.5) / 2)

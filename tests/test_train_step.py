@@ -22,11 +22,12 @@ TOL = 1e-5
 def _data():
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in LENGTHS]
-    per_token = {k: [] for k in ("advantages", "old_logprobs", "ref_logprobs")}
+    per_token = {k: [] for k in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")}
     for n, start in zip(LENGTHS, STARTS):
         per_token["advantages"].append(torch.randn(n - start, generator=g))
         per_token["old_logprobs"].append(-5.5 + 0.3 * torch.randn(n - start, generator=g))
         per_token["ref_logprobs"].append(-5.5 + 0.3 * torch.randn(n - start, generator=g))
+        per_token["rollout_logprobs"].append(per_token["old_logprobs"][-1] + 0.1 * torch.randn(n - start, generator=g))
     return seqs, per_token
 
 
@@ -72,10 +73,18 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["token-mean", "gspo"])
+VARIANTS = {
+    "token-mean": LOSS,
+    "gspo": dataclasses.replace(LOSS, mode="gspo", aggregation="seq-mean-token-mean", dual_clip=None),
+    # sequence-level quantities over packed rows, split over CP ranks: sequence TIS, geometric-mean rejection
+    "corrected": dataclasses.replace(LOSS, tis_cap=1.2, tis_level="sequence", reject="geometric", reject_low=0.97,
+                                     reject_high=1.03),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def reference(request, tmp_path_factory):
-    loss = LOSS if request.param == "token-mean" else dataclasses.replace(
-        LOSS, mode="gspo", aggregation="seq-mean-token-mean", dual_clip=None)
+    loss = VARIANTS[request.param]
     ckpt = tmp_path_factory.mktemp("train_ref")
     (result,) = spawn(_step, 1, ParallelConfig(), loss, str(ckpt), True)
     return loss, str(ckpt), result["metrics"]
@@ -84,8 +93,9 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_train_step_matches_single_process(name, reference):
     loss, ckpt, expected = reference
-    if loss.mode == "gspo" and name not in ("cp2", "dp2"):
-        pytest.skip("GSPO differs from PPO only in the sequence ratio: checked where sequences are split (CP, DP)")
+    if loss != LOSS and name not in ("cp2", "dp2"):
+        pytest.skip("GSPO and the sequence-level corrections differ from the PPO loss only in per-sequence sums: "
+                    "checked where sequences are split (CP, DP)")
     parallel, world = LAYOUTS[name]
     results = spawn(_step, world, parallel, loss, ckpt, False)
     assert 0 < expected["clip_fraction"] < 1 and expected["update_applied"]
@@ -93,8 +103,12 @@ def test_train_step_matches_single_process(name, reference):
         assert r["param_diff"] < TOL, f"{name}: weights after the step differ by {r['param_diff']:.3g}"
         assert abs(r["metrics"]["grad_norm"] - expected["grad_norm"]) < TOL
         if "pg_loss" in r["metrics"]:  # last pipeline stage
-            for key in ("pg_loss", "kl_loss", "entropy", "clip_fraction", "approx_kl"):
+            for key in ("pg_loss", "kl_loss", "entropy", "clip_fraction", "approx_kl", "dual_clip_fraction"):
                 assert abs(r["metrics"][key] - expected[key]) < TOL, f"{name}: {key}"
+            if loss.reject != "none":
+                assert 0 < expected["rejected_fraction"] < 1
+                for key in ("rejected_fraction", "is_weight", "rollout_ppl_ratio"):
+                    assert abs(r["metrics"][key] - expected[key]) < TOL, f"{name}: {key}"
 
 
 def _critic(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
@@ -185,7 +199,7 @@ def test_on_policy_step_without_old_logprobs_equals_the_step_after_their_forward
     old-log-prob pass gives (weights, losses, grad norm), and it reports that pass's figures (rollout difference,
     entropy, KL to the reference as token means over both data-parallel ranks)."""
     loss, ckpt, _ = reference
-    if loss.mode == "gspo":
+    if loss != LOSS:
         pytest.skip("one loss is enough: the old log-probs enter every mode the same way")
     (expected,) = spawn(_on_policy, 1, ParallelConfig(), ckpt, True)
     (alone,) = spawn(_on_policy, 1, ParallelConfig(), ckpt, False)

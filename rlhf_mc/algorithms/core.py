@@ -7,6 +7,7 @@ all-masked batch gives a zero loss, not NaN.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -207,7 +208,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     token_weights: per-token weights (truncated importance sampling), applied to the per-token loss.
     seq_log_ratio: for gspo on packed rows, each token's sequence mean log-ratio, computed by the caller (a row
       then holds several sequences); by default each row is one sequence.
-    Stats: clip_fraction (tokens where the clipped branch is taken), approx_kl (mean of old - logp, the log-ratio
+    Stats: clip_fraction (tokens where the clipped branch is taken), dual_clip_fraction (tokens capped by the dual
+    clip, the lower bound on negative advantages), approx_kl (mean of old - logp, the log-ratio
     clamped as the ratio's)."""
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and dual_clip <= 1.0:
@@ -226,20 +228,56 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     loss = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(mask, dtype=torch.bool)
     if dual_clip is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+        dual_clipped = (advantages < 0) & (-advantages * dual_clip < loss)
+        loss = torch.where(dual_clipped, -advantages * dual_clip, loss)
     if token_weights is not None:
         loss = loss * token_weights.detach()
     stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), mask).detach(),
+             "dual_clip_fraction": masked_mean(dual_clipped.float(), mask).detach(),
              "approx_kl": masked_mean(-log_ratio, mask).detach()}
     return aggregate(loss, mask, aggregation, norm_length), stats
 
 
-def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
-                                 cap: float = 2.0) -> torch.Tensor:
-    """TIS: min(pi_old_trainer / pi_rollout, cap) per token, for the gap between the rollout engine's log-probs and
-    the trainer's (different kernels, precisions). Detached."""
-    return torch.exp((old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap).detach()
+RejectLevel = Literal["none", "token", "sequence", "geometric"]
+
+
+def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                       tis_cap: float | None = None, tis_level: Literal["token", "sequence"] = "token",
+                       reject: RejectLevel = "none", reject_low: float = 0.5, reject_high: float = 2.0,
+                       seq_log_ratio: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, dict]:
+    """Per-token loss weights for the gap between the trainer's old log-probs and the rollout engine's (other
+    kernels, precisions, or an older policy), from the ratio r = pi_old / pi_rollout. Detached.
+
+    tis_cap (truncated importance sampling): weight min(r, cap), r per token (tis_level "token") or the sequence's
+    product of the token ratios ("sequence"). reject (masked importance sampling; its token level is IcePop):
+    weight 0 where the ratio lies outside [reject_low, reject_high] - the token's ratio ("token"), its sequence's
+    product ("sequence"), or its sequence's geometric mean ("geometric"). The rejected tokens stay in the
+    aggregation's denominators (they count as zero-loss tokens): the step's scale does not move with the rejected
+    fraction. seq_log_ratio: per token, its sequence's (sum of log r, token count), from the caller when a row holds
+    several sequences; by default each row is one sequence.
+    Stats (token means): is_weight (before rejection), rejected_fraction, log_ppl_ratio (mean log r: the log of the
+    rollout's perplexity over the trainer's)."""
+    mask = mask.bool()
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    if seq_log_ratio is None:
+        seq_sum, seq_count = masked_sum(log_ratio, mask, dim=-1).unsqueeze(-1), mask.sum(-1, keepdim=True)
+    else:
+        seq_sum, seq_count = seq_log_ratio
+    weights = torch.ones_like(log_ratio)
+    if tis_cap is not None:
+        level = log_ratio if tis_level == "token" else seq_sum.expand_as(log_ratio)
+        weights = torch.exp(level.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=tis_cap)
+    keep = torch.ones_like(mask)
+    if reject != "none":
+        level = {"token": log_ratio, "sequence": seq_sum,
+                 "geometric": seq_sum / seq_count.clamp(min=1)}[reject].expand_as(log_ratio)
+        keep = (level >= math.log(reject_low)) & (level <= math.log(reject_high))
+    stats = {"is_weight": masked_mean(weights, mask), "rejected_fraction": masked_mean((~keep).float(), mask),
+             "log_ppl_ratio": masked_mean(log_ratio, mask)}
+    return weights * keep, stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -89,7 +89,14 @@ class PolicyLossSection:
     kl_loss_coef: float = 0.0  # KL to the reference as a loss term (GRPO style)
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
-    tis_cap: float | None = None  # truncated importance sampling against the rollout log-probs
+    # Rollout correction against the rollout engine's log-probs (algorithms/core.rollout_correction): truncated
+    # importance sampling min(ratio, tis_cap) per token or per sequence; masked importance sampling (reject: token =
+    # IcePop, sequence, geometric) drops tokens whose ratio lies outside [reject_low, reject_high]
+    tis_cap: float | None = None
+    tis_level: Literal["token", "sequence"] = "token"
+    reject: Literal["none", "token", "sequence", "geometric"] = "none"
+    reject_low: float = 0.5
+    reject_high: float = 2.0
     norm_length: int = 0  # seq-mean-token-sum-norm's constant divisor; 0 = data.max_response_length
 
     def __post_init__(self):
@@ -100,6 +107,16 @@ class PolicyLossSection:
                               f"not {self.aggregation}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"dual_clip: must be > 1, got {self.dual_clip}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"tis_cap: must be > 0, got {self.tis_cap}")
+        if self.tis_level != "token" and self.tis_cap is None:
+            raise ConfigError(f"tis_level: {self.tis_level} is read only with tis_cap set")
+        if not 0 < self.reject_low < 1 < self.reject_high:
+            raise ConfigError(f"reject_low, reject_high: need 0 < low < 1 < high, got {self.reject_low}, "
+                              f"{self.reject_high}")
+        if self.reject == "none" and (self.reject_low, self.reject_high) != (0.5, 2.0):
+            raise ConfigError(f"reject_low, reject_high: {self.reject_low}, {self.reject_high} are read only with "
+                              "reject set (token, sequence or geometric)")
         if self.kl_loss_coef < 0:
             raise ConfigError(f"kl_loss_coef: must be >= 0, got {self.kl_loss_coef}")
 

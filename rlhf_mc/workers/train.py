@@ -11,6 +11,8 @@ mini-batch is split over micro-batches or ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,12 @@ class PolicyLossConfig:
     kl_loss_coef: float = 0.0  # KL as a loss (needs ref_logprobs)
     kl_estimator: core.KLEstimator = "k3"
     entropy_coef: float = 0.0
-    tis_cap: float | None = None  # truncated importance sampling against the rollout log-probs
+    # rollout correction (core.rollout_correction): truncated IS at a level, masked IS (rejection) at a level
+    tis_cap: float | None = None
+    tis_level: Literal["token", "sequence"] = "token"
+    reject: core.RejectLevel = "none"
+    reject_low: float = 0.5
+    reject_high: float = 2.0
     norm_length: int = 1  # seq-mean-token-sum-norm's constant (the response budget)
 
 
@@ -131,10 +138,16 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
         logprobs, w = logprobs.unsqueeze(0), mb["weight"]
         mask = w > 0
         old = logprobs.detach() if on_policy else mb["old_logprobs"]
-        ratio_weights = (core.truncated_importance_weights(old, mb["rollout_logprobs"], cfg.tis_cap)
-                         if cfg.tis_cap is not None else None)
-        seq_log_ratio = _segment_mean(logprobs.detach() - old, mb["segment"], mask, cp_group) \
-            if cfg.mode == "gspo" else None
+        ratio_weights, correction = None, {}
+        if cfg.tis_cap is not None or cfg.reject != "none":
+            sums = _segment_sums(old - mb["rollout_logprobs"], mb["segment"], mask, cp_group)
+            ratio_weights, correction = core.rollout_correction(
+                old, mb["rollout_logprobs"], mask, cfg.tis_cap, cfg.tis_level, cfg.reject, cfg.reject_low,
+                cfg.reject_high, seq_log_ratio=sums)
+        seq_log_ratio = None
+        if cfg.mode == "gspo":
+            total, count = _segment_sums(logprobs.detach() - old, mb["segment"], mask, cp_group)
+            seq_log_ratio = total / count.clamp(min=1)
         # The aggregation lives in the token weights; policy_loss then sums over the row ("seq-mean-token-sum" of
         # one row).
         pg, stats = core.policy_loss(
@@ -143,7 +156,7 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
             token_weights=w if ratio_weights is None else w * ratio_weights, seq_log_ratio=seq_log_ratio)
         loss = pg
         report = {"pg_loss": pg.detach(), "tokens": mask.sum().detach().float(),
-                  "clip_fraction": stats["clip_fraction"] * mask.sum(), "approx_kl": stats["approx_kl"] * mask.sum()}
+                  **{k: v * mask.sum() for k, v in {**stats, **correction}.items()}}
         if on_policy:
             report["rollout_logprob_diff"] = ((old - mb["rollout_logprobs"]).abs() * mask).sum()
             report["token_entropy"] = (entropy.detach().unsqueeze(0) * mask).sum()
@@ -203,8 +216,10 @@ def sft_step(state: TrainState, sequences: list[torch.Tensor], response_starts: 
     return _run(state, microbatches, loss_fn)
 
 
-def _segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor, cp_group) -> torch.Tensor:
-    """Per token, the mean of `values` over the masked-in tokens of its packed sequence (across CP ranks)."""
+def _segment_sums(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tensor, cp_group
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the sum of `values` over the masked-in tokens of its packed sequence and their count (across CP
+    ranks)."""
     seg = segment.long()
     count = int(seg.max().item()) + 1
     sums = torch.zeros(2, count, dtype=values.dtype, device=values.device)
@@ -212,7 +227,7 @@ def _segment_mean(values: torch.Tensor, segment: torch.Tensor, mask: torch.Tenso
     sums[1].index_add_(0, seg[mask], torch.ones_like(values[mask]))
     if dist.get_world_size(cp_group) > 1:
         dist.all_reduce(sums, group=cp_group)
-    return (sums[0] / sums[1].clamp(min=1))[seg]
+    return sums[0][seg], sums[1][seg]
 
 
 def _reduce_reports(reports: list[dict], dp_group) -> dict:
@@ -224,7 +239,10 @@ def _reduce_reports(reports: list[dict], dp_group) -> dict:
     dist.all_reduce(totals, group=dp_group)
     out = dict(zip(keys, totals.tolist()))
     tokens = max(out.pop("tokens"), 1.0)
-    for key in ("clip_fraction", "approx_kl", "rollout_logprob_diff", "token_entropy", "kl_ref"):  # token averages
+    for key in ("clip_fraction", "dual_clip_fraction", "approx_kl", "rollout_logprob_diff", "token_entropy", "kl_ref",
+                "is_weight", "rejected_fraction", "log_ppl_ratio"):  # token averages
         if key in out:
             out[key] /= tokens
+    if "log_ppl_ratio" in out:  # the rollout's perplexity over the trainer's
+        out["rollout_ppl_ratio"] = math.exp(out.pop("log_ppl_ratio"))
     return out
