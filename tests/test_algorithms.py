@@ -216,7 +216,9 @@ def test_kl_in_reward_enters_the_outcome_estimators_scores():
                           "algorithm.kl_in_reward_estimator=k1"])
     old = [t([-1.0, -1.0]), t([-1.0])]
     per_token = {"rollout_logprobs": old, "old_logprobs": old, "ref_logprobs": [t([-1.5, -2.0]), t([-1.0])]}
-    adv = advantages(recipe, [1.0, 1.0], [0, 0], per_token)["advantages"]
+    fields, current_kl = advantages(recipe, [1.0, 1.0], [0, 0], per_token, kl_coef=0.5)
+    adv = fields["advantages"]
+    close(current_kl, (0.75 + 0.0) / 2)  # the mean over sequences of their token-mean KL
     # scores 1 - 0.5 * (0.5 + 1.0) = 0.25 and 1 - 0 = 1: mean 0.625, unbiased std 0.375 * sqrt(2)
     a = 0.375 / (0.375 * math.sqrt(2) + 1e-6)
     close(adv[0], [-a, -a])
@@ -235,3 +237,10 @@ def test_trainer_token_weights_give_the_aggregation(mode):
     weights = _token_weights(lengths, mode, total_tokens=5, total_seqs=2, norm_length=4)
     weighted = sum(w * LOSS[i, :n].sum() for i, (w, n) in enumerate(zip(weights, lengths)))
     close(weighted, A.aggregate(LOSS, mask, mode, norm_length=4))
+
+
+def test_adaptive_kl_coef():
+    # KL 3x the target: the error is clipped to 0.2; 100 sequences of a 1000-sequence horizon: x (1 + 0.02)
+    close(A.adaptive_kl_coef(0.1, 0.3, 0.1, 1000, 100), 0.1 * 1.02)
+    close(A.adaptive_kl_coef(0.1, 0.09, 0.1, 1000, 100), 0.1 * (1 - 0.1 * 0.1))
+    close(A.adaptive_kl_coef(0.1, 0.0, 0.1, 16, 16), 0.08)  # no KL: the largest step down

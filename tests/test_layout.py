@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_mc.data.packing import pack
-from rlhf_mc.models.context_parallel import cp_index, cp_positions, split_for_cp
+from rlhf_mc.runtime.context_parallel import cp_index, cp_positions, split_for_cp
 
 
 def test_cp_positions_are_megatrons_load_balanced_chunks():

@@ -40,7 +40,7 @@ def _microbatches(tokens: torch.Tensor, packed: bool) -> tuple[list[dict], list[
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.data.packing import pack
-    from rlhf_mc.models.context_parallel import split_for_cp
+    from rlhf_mc.runtime.context_parallel import split_for_cp
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -79,7 +79,7 @@ def _worker(parallel: ParallelConfig, packed: bool, distributed_optimizer: bool,
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.models.checkpoint import load_model, save_model
-    from rlhf_mc.models.context_parallel import gather_from_cp
+    from rlhf_mc.runtime.context_parallel import gather_from_cp
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.models.pipeline import run_pipeline
     from rlhf_mc.optim import setup_training

@@ -127,6 +127,10 @@ BAD = [
     (["actor.loss.reject=token", "actor.loss.reject_low=1.5"],
      "actor.loss.reject_low, reject_high: need 0 < low < 1 < high, got 1.5, 2.0"),
     (["actor.loss.reject_high=3"], "actor.loss.reject_low, reject_high: 0.5, 3.0 are read only with reject set"),
+    (["critic.loss.clip_low=0.1"], "critic.loss: the critic's loss is the clipped value loss"),
+    (["actor.value_clip=0.5"], "actor.value_clip: 0.5 is the critic's (critic.value_clip)"),
+    (["algorithm.kl_target=0.1"], "algorithm.kl_target: the adaptive KL controller needs kl_target > 0 and a "
+                                  "starting kl_in_reward_coef > 0"),
     (["reward.overlong_buffer=6"], "reward.overlong_buffer: 6 must be below data.max_response_length=6"),
     (["ref.offload=true"], "ref.offload: the host reference lives in host memory already"),
     (["model.config=model_configs/none.yaml"], "model.config: file not found"),

@@ -183,16 +183,17 @@ def test_crash_recovery_stop_and_resume(tmp_path):
 
 
 def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
-    """PPO (GAE with a critic, KL in the reward), the reference in its own worker group, a learned reward model
-    added to the rule, actor, critic and reference offloaded during rollouts: two steps run; at step 1 the reference
-    equals the (reloaded) actor (KL 0), at step 2 it does not."""
+    """PPO (GAE with a critic, KL in the reward with the adaptive coefficient), the reference in its own worker
+    group, a learned reward model added to the rule, actor, critic and reference offloaded during rollouts: two
+    steps run; at step 1 the reference equals the (reloaded) actor (KL 0), at step 2 it does not."""
     from tests.test_reward_model import write_reward_model
 
     out = tmp_path / "ppo"
     rm = write_reward_model(tmp_path / "rm")
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "trainer.total_steps=2", "trainer.save_interval=1",
                          "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3",
-                         "algorithm.estimator=gae", "algorithm.kl_in_reward_coef=0.01", "ref.placement=separate",
+                         "algorithm.estimator=gae", "algorithm.kl_in_reward_coef=0.01", "algorithm.kl_target=0.5",
+                         "algorithm.kl_horizon=64", "ref.placement=separate",
                          "actor.offload=true", "critic.offload=true", "ref.offload=true",
                          "critic.optim.lr=1e-4", "critic.micro_batch_tokens=4096", f"reward.model={rm}",
                          "data.val_path=", "trainer.loggers=[jsonl]"]), out)
@@ -201,6 +202,13 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
         assert {"critic/value_loss", "critic/grad_norm", "actor/kl_ref", "reward/model_mean"} <= metrics.keys()
         assert metrics["critic/grad_norm"] > 0 and metrics["actor/grad_norm"] > 0
     assert abs(steps[1]["actor/kl_ref"]) < 1e-6 and abs(steps[2]["actor/kl_ref"]) > 1e-6
+    # the adaptive KL coefficient: at step 1 KL 0 -> the largest step down, x (1 - 0.2 x 16 / 64); saved with the
+    # checkpoint for a resumed run
+    assert steps[1]["algorithm/kl_coef"] == 0.01 and abs(steps[1]["algorithm/kl_in_reward"]) < 1e-6
+    assert abs(steps[2]["algorithm/kl_coef"] - 0.01 * 0.95) < 1e-12
+    saved = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["kl_coef"]
+    kl2 = steps[2]["algorithm/kl_in_reward"]
+    assert abs(saved - 0.0095 * (1 + min(max(kl2 / 0.5 - 1, -0.2), 0.2) * 16 / 64)) < 1e-12
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum("timing/offload_s" in r and "timing/reload_s" in r for r in records) == 2
     names = sorted(p.name for p in (out / "checkpoints").iterdir())

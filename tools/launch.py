@@ -21,6 +21,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_mc.config import ConfigError  # noqa: E402
+from rlhf_mc.runtime.console import quiet_framework_warnings  # noqa: E402
 from rlhf_mc.trainer.recipe import check_launch, load_recipe, make_plan, model_config, to_dict  # noqa: E402
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    quiet_framework_warnings()
     from rlhf_mc.trainer.loop import Stop, train
 
     # SIGTERM / Ctrl-C: within the steps the step under way finishes and is logged (a second signal stops at once);

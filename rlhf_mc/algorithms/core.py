@@ -184,6 +184,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KL
     return value
 
 
+def adaptive_kl_coef(coef: float, current_kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """The adaptive KL controller (Ziegler et al. 2019, verl's AdaptiveKLController): the coefficient times
+    1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon, n_steps being the batch's sequences."""
+    error = min(max(current_kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * n_steps / horizon)
+
+
 def token_rewards_with_kl(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """KL in the reward: -beta * kl on every response token, plus the score on the last masked-in token."""
     rewards = -beta * kl * mask.to(kl.dtype)

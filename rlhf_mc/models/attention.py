@@ -3,7 +3,8 @@
 Megatron-Core's own DotProductAttention refuses context parallelism and packed (THD) input; this module supports both,
 so CP and packing work without TE:
 - CP: K and V are all-gathered over the CP group (backward: the matching reduce-scatter); every query attends to the
-  keys whose global position is not after its own, with Megatron's load-balanced chunk layout (context_parallel.py).
+  keys whose global position is not after its own, with Megatron's load-balanced chunk layout
+  (runtime/context_parallel.py).
 - THD: `packed_seq_params.cu_seqlens_q(_padded)` gives the boundaries of the packed sequences (full, padded lengths,
   before the CP split); attention is causal within each sequence and never crosses one.
 Attention is always causal and ignores `attention_mask`: padded batches must be padded on the right.
@@ -28,7 +29,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from rlhf_mc.models.context_parallel import cp_positions
+from rlhf_mc.runtime.context_parallel import cp_positions
 
 
 BLOCK_TOKENS = 1024

@@ -184,11 +184,11 @@ def _tied_embedding_sync() -> None:
 def _rope_cp_slice() -> None:
     """megatron/core/models/common/embeddings/rope_utils.py: get_pos_emb_on_this_cp_rank builds its chunk index with
     `torch.tensor(..., pin_memory=True).cuda()` (pinning needs CUDA). Same selection on CPU: the positions this CP
-    rank holds (models/context_parallel.py), taken from the rotary table; patched where rotary_pos_embedding.py
+    rank holds (runtime/context_parallel.py), taken from the rotary table; patched where rotary_pos_embedding.py
     imported it."""
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
-    from rlhf_mc.models.context_parallel import cp_positions
+    from rlhf_mc.runtime.context_parallel import cp_positions
 
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         index = cp_positions(pos_emb.size(seq_dim), cp_group.size(), cp_group.rank(), pos_emb.device)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.multiprocessing as mp
 
-from rlhf_mc.runtime import host
+from rlhf_mc.runtime import console, host
 
 
 def _ephemeral_low() -> int:
@@ -57,6 +57,7 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, ar
            skip_cpu_shims: tuple[str, ...]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    console.quiet_framework_warnings()
     if torch.cuda.is_available():
         torch.set_num_threads(host.cores_per(world_size))
     else:

@@ -38,16 +38,16 @@ class ColocationSchedule:
         if self.colocated:
             with timer("offload"):
                 if self.actor_offload:
-                    self.actor.call("offload", "optimizer")
+                    self.actor.offload("optimizer")
                 for group in self.offloaded:
-                    group.call("offload", "all")
+                    group.offload("all")
             self.cluster.engines_call("resume_memory", WEIGHTS_TAGS)
         with timer("sync"):
             metrics = self._sync(version)
         if self.colocated:
             if self.actor_offload:
                 with timer("offload"):
-                    self.actor.call("offload", "weights")
+                    self.actor.offload("weights")
             self.cluster.engines_call("resume_memory", KV_CACHE_TAGS)
         return metrics
 
@@ -56,38 +56,38 @@ class ColocationSchedule:
             self.cluster.engines_call("release_memory")
             with timer("reload"):
                 if self.actor_offload:
-                    self.actor.call("reload")
+                    self.actor.reload()
                 for group in self.offloaded:
-                    group.call("reload")
+                    group.reload()
 
     def finish(self) -> None:
         """After the last step: the training state back on the devices (for the final export)."""
         if self.actor_offload:
-            self.actor.call("reload")
+            self.actor.reload()
         for group in self.offloaded:
-            group.call("reload")
+            group.reload()
 
     def restore_engine(self, engine: int) -> None:
         """A restarted engine gets the weights of the current version (the actor's own come back from host memory
         for the time it takes)."""
         if self.actor_offload:
-            self.actor.call("reload", "weights")
+            self.actor.reload("weights")
         try:
             self._sync(self.version, [engine])
         finally:
             if self.actor_offload:
-                self.actor.call("offload", "weights")
+                self.actor.offload("weights")
 
     def _sync(self, version: int, engines: list[int] | None = None) -> dict:
         """The actor's weights into the engines (or `engines`); an engine that fails is restarted and synced again,
         once. Returns rank 0's figures, the largest peak over ranks, the engines' restart count."""
         self.version = version
-        stats = self.actor.call("sync", version, engines)
+        stats = self.actor.sync(version, engines)
         failed = {e: error for s in stats for e, error in s.failed.items()}
         if failed:
             self.cluster.recover_engines(sorted(failed))
-            self.actor.call("reconnect_engines")
-            again = self.actor.call("sync", version, sorted(failed))
+            self.actor.reconnect_engines()
+            again = self.actor.sync(version, sorted(failed))
             still = {e: error for s in again for e, error in s.failed.items()}
             if still:
                 raise RuntimeError(f"weight sync to version {version} failed on engines {still} after a restart")

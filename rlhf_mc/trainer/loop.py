@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from rlhf_mc.algorithms import core
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
@@ -61,18 +62,22 @@ def _rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
     return [x[i, :n].clone() for i, n in enumerate(lengths)]
 
 
-def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token: dict[str, list[torch.Tensor]]
-               ) -> dict[str, list[torch.Tensor]]:
-    """Per response token: "advantages" (and "returns" for GAE), from the scores and the per-token fields."""
+def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token: dict[str, list[torch.Tensor]],
+               kl_coef: float = 0.0) -> tuple[dict[str, list[torch.Tensor]], float | None]:
+    """Per response token: "advantages" (and "returns" for GAE), from the scores and the per-token fields; with
+    the KL in the reward at `kl_coef`, also the batch's KL as verl's KL controller reads it (the mean over
+    sequences of each one's token-mean KL), else None."""
     algo, lengths = recipe.algorithm, [len(x) for x in per_token["rollout_logprobs"]]
     width = max(lengths)
     mask = _padded([torch.ones(n) for n in lengths], width).bool()
     s, g = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups)
     token_rewards = core.token_rewards_with_kl(s, torch.zeros(len(lengths), width), mask, 0.0)
+    current_kl = None
     if algo.kl_in_reward_coef > 0:
         kl = core.kl_penalty(_padded(per_token["old_logprobs"], width), _padded(per_token["ref_logprobs"], width),
                              algo.kl_in_reward_estimator)
-        token_rewards = core.token_rewards_with_kl(s, kl, mask, algo.kl_in_reward_coef)
+        current_kl = core.masked_mean(kl, mask, dim=-1).mean().item()
+        token_rewards = core.token_rewards_with_kl(s, kl, mask, kl_coef)
         # The outcome estimators take a sequence's summed token rewards as its score (verl's): score - coef * KL.
         s = core.masked_sum(token_rewards, mask, dim=-1)
     out = {}
@@ -89,7 +94,7 @@ def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token
                                            algo.lam)
         out["returns"] = _rows(returns, lengths)
     out["advantages"] = _rows(adv, lengths)
-    return out
+    return out, current_kl
 
 
 def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
@@ -112,20 +117,22 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
                         data.chat_template, data.max_prompt_length + data.max_response_length)
     group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
     if recipe.model.path:
-        group.call("load_hf", str(resolve_path(recipe.model.path)))
-    group.call("setup_optimizer", sft.optim)
+        group.load_hf(str(resolve_path(recipe.model.path)))
+    group.setup_optimizer(sft.optim)
     rng = random.Random(recipe.trainer.seed)
     stop.in_steps = True
-    for step in range(sft.steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-        metrics = group.update("sft", [ids for ids, _ in batch], [start for _, start in batch], {}, mini_batches=1,
-                               micro_batch_tokens=sft.micro_batch_tokens)
-        logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
-        if stop():
-            log.warning("SFT stopped at step %d, as asked", step)
-            return False
+    with tqdm(total=sft.steps, desc="sft", dynamic_ncols=True, disable="console" not in recipe.trainer.loggers) as bar:
+        for step in range(sft.steps):
+            batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
+            metrics = group.train_sft([ids for ids, _ in batch], [start for _, start in batch], sft.micro_batch_tokens)
+            logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
+            bar.set_postfix(loss=f"{metrics['sft_loss']:.3g}", refresh=False)
+            bar.update(1)
+            if stop():
+                log.warning("SFT stopped at step %d, as asked", step)
+                return False
     stop.in_steps = False
-    group.call("export_hf", str(out), hf_config, tokenizer_dir)
+    group.export_hf(str(out), hf_config, tokenizer_dir)
     group.shutdown()
     return True
 
@@ -190,10 +197,7 @@ def score(scorer: RewardScorer | None, reward_model, overlong: tuple[int, int, f
         scores, stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
                                      [prompts[s.prompt_index].text for s in samples])
     if reward_model is not None:
-        # The score of a sequence is the head's output at its last token: the value "before" one appended token.
-        seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
-        out = reward_model.forward("values", [q + [0] for q in seqs], [len(q) for q in seqs])
-        learned = [o["values"][0].item() for o in out]
+        learned = reward_model.score([prompts[s.prompt_index].ids + s.response_ids for s in samples])
         scores = [a + b for a, b in zip(scores, learned)]
         stats["reward/model_mean"] = sum(learned) / len(learned)
     if overlong[1]:
@@ -269,7 +273,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                 init_hf = resolve_path(recipe.model.path)
             else:
                 group = cluster.worker_group("init", model, recipe.actor.parallel)
-                group.call("export_hf", str(init_hf), hf_config, tokenizer_dir)
+                group.export_hf(str(init_hf), hf_config, tokenizer_dir)
                 group.shutdown()
         if recipe.sft.only:
             return logger.last
@@ -286,39 +290,38 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                      if group is not None and group is not actor and on]
         schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated)
         schedule.engines_launched()
-        actor.call("load_hf", str(init_hf))
+        actor.load_hf(str(init_hf))
         if recipe.uses_reference:
-            actor.call("keep_reference")
-        actor.call("setup_optimizer", recipe.actor.optim)
+            actor.keep_reference()
+        actor.setup_optimizer(recipe.actor.optim)
         if reference is not actor:
-            reference.call("load_hf", str(init_hf))
+            reference.load_hf(str(init_hf))
         if critic:
-            critic.call("load_hf", str(init_hf))  # the value head starts from its own init
-            critic.call("setup_optimizer", recipe.critic.optim)
+            critic.load_hf(str(init_hf))  # the value head starts from its own init
+            critic.setup_optimizer(recipe.critic.optim)
         if resume:
-            trainer_state = actor.report("load", str(resume))
+            trainer_state = actor.load(str(resume))
             if critic:
-                critic.call("load", str(checkpoints.critic_dir(resume)))
+                critic.load(str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
-        actor.call("connect_engines", addresses, plan.sync_transport, r.sync_bucket_mb * 2**20,
+        actor.connect_engines(addresses, plan.sync_transport, r.sync_bucket_mb * 2**20,
                    cluster.engine_ranks(), str(init_hf))
         reward_model = None
         if recipe.reward.model:
             reward_path = str(resolve_path(recipe.reward.model))
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
-            reward_model.call("load_hf", reward_path, "score.weight")
+            reward_model.load_hf(reward_path, "score.weight")
         overlong = (data.max_response_length, recipe.reward.overlong_buffer, recipe.reward.overlong_penalty)
         metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer,
                              (scorer, reward_model, overlong),
-                             train_prompts, val_prompts, trainer_state["step"], total_steps, logger, run_dir,
-                             dropped, stop)
+                             train_prompts, val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
         if stop():
             return metrics
         schedule.finish()
         if recipe.trainer.export_hf:
             shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
-            actor.call("export_hf", str(run_dir / "final_hf"), hf_config, tokenizer_dir)
+            actor.export_hf(str(run_dir / "final_hf"), hf_config, tokenizer_dir)
         return metrics
     finally:
         logger.close()
@@ -326,8 +329,10 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
 
 
 def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts,
-               step, total_steps, logger, run_dir, dropped, stop: Stop) -> dict:
+               trainer_state: dict, total_steps, logger, run_dir, dropped, stop: Stop) -> dict:
     data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
+    # the KL-in-reward coefficient: fixed, or the adaptive controller's, carried through checkpoints
+    step, kl_coef = trainer_state["step"], trainer_state.get("kl_coef", recipe.algorithm.kl_in_reward_coef)
     loss_cfg = PolicyLossConfig(**{**dataclasses.asdict(recipe.actor.loss),
                                    "norm_length": recipe.actor.loss.norm_length or data.max_response_length})
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -358,43 +363,46 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
             entropy = None
             if not recipe.old_logprobs_from_update:
                 with timer("old_logprob"):
-                    out = actor.forward("logprobs", seqs, starts, temperature=temperature, with_entropy=True,
-                                        micro_batch_tokens=recipe.actor.micro_batch_tokens)
+                    out = actor.logprobs(seqs, starts, temperature, recipe.actor.micro_batch_tokens, with_entropy=True)
                     per_token["old_logprobs"] = [o["logprobs"] for o in out]
                     entropy = torch.cat([o["entropy"] for o in out])
             if recipe.uses_reference:
                 with timer("ref_logprob"):
                     # The reference's own worker group, or its weights swapped into the actor's modules.
-                    kind = "ref_logprobs" if reference is actor else "logprobs"
-                    out = reference.forward(kind, seqs, starts, temperature=temperature,
-                                            micro_batch_tokens=recipe.actor.micro_batch_tokens)
+                    ref_logprobs = reference.logprobs if reference is not actor else actor.ref_logprobs
+                    out = ref_logprobs(seqs, starts, temperature, recipe.actor.micro_batch_tokens)
                     per_token["ref_logprobs"] = [o["logprobs"] for o in out]
             if critic:
                 with timer("values"):
-                    out = critic.forward("values", seqs, starts, micro_batch_tokens=recipe.critic.micro_batch_tokens)
+                    out = critic.values(seqs, starts, recipe.critic.micro_batch_tokens)
                     per_token["old_values"] = per_token["values"] = [o["values"] for o in out]
+            kl_metrics = {}
             with timer("advantages"):
-                per_token.update(advantages(recipe, scores, [s.prompt_index for s in samples], per_token))
+                fields, current_kl = advantages(recipe, scores, [s.prompt_index for s in samples], per_token, kl_coef)
+                per_token.update(fields)
+                if current_kl is not None:
+                    kl_metrics = {"algorithm/kl_coef": kl_coef, "algorithm/kl_in_reward": current_kl}
+                    if recipe.algorithm.kl_target > 0:
+                        kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, recipe.algorithm.kl_target,
+                                                        recipe.algorithm.kl_horizon, len(samples))
             with timer("update_actor"):
-                actor_metrics = actor.update("actor", seqs, starts, per_token, mini_batches,
-                                             epochs=recipe.actor.ppo_epochs, loss_cfg=loss_cfg,
-                                             temperature=temperature,
-                                             micro_batch_tokens=recipe.actor.micro_batch_tokens)
+                actor_metrics = actor.train_policy(seqs, starts, per_token, mini_batches, recipe.actor.ppo_epochs,
+                                                   loss_cfg, temperature, recipe.actor.micro_batch_tokens)
             critic_metrics = {}
             if critic:
                 with timer("update_critic"):
-                    critic_metrics = critic.update("critic", seqs, starts, per_token, critic_mini_batches,
-                                                   epochs=recipe.critic.ppo_epochs, loss_cfg=loss_cfg,
-                                                   micro_batch_tokens=recipe.critic.micro_batch_tokens,
-                                                   value_clip=recipe.critic.value_clip)
+                    critic_metrics = critic.train_values(seqs, starts, per_token, critic_mini_batches,
+                                                         recipe.critic.ppo_epochs, loss_cfg,
+                                                         recipe.critic.micro_batch_tokens, recipe.critic.value_clip)
             step += 1
             if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
                 with timer("save"):
-                    _save(actor, critic, run_dir, step, trainer.keep_checkpoints)
+                    _save(actor, critic, run_dir, {"step": step, "kl_coef": kl_coef}, trainer.keep_checkpoints)
             sync_metrics = schedule.before_rollout(step, timer)
         metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
                                 epoch, dropped, recipe.reward.correct_score)
-        metrics.update(sync_metrics, **timer.times, **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
+        metrics.update(sync_metrics, **kl_metrics, **timer.times,
+                       **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
         timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
             metrics.update(validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
@@ -407,13 +415,13 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
     return metrics
 
 
-def _save(actor, critic, run_dir: Path, step: int, keep: int) -> None:
-    path = checkpoints.checkpoint_dir(run_dir, step)
+def _save(actor, critic, run_dir: Path, trainer_state: dict, keep: int) -> None:
+    path = checkpoints.checkpoint_dir(run_dir, trainer_state["step"])
     if path.exists():
         return
     if critic:  # first: the actor's trainer_state.json marks the checkpoint complete
-        critic.call("save", str(checkpoints.critic_dir(path)))
-    actor.call("save", str(path), {"step": step})
+        critic.save(str(checkpoints.critic_dir(path)))
+    actor.save(str(path), trainer_state)
     checkpoints.prune(run_dir, keep)
 
 

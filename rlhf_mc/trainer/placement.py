@@ -92,21 +92,96 @@ class WorkerGroup:
             rank, world, model, parallel, dtype, seed, recompute, value_head)
             for rank, b in enumerate(bundles)]
         master = ray.get(self.workers[0].store_address.remote())
-        self.layout: list[RankLayout] = [RankLayout(**x) for x in self.call("start", master)]
+        self.layout: list[RankLayout] = [RankLayout(**x) for x in self._call("start", master)]
         self.dp = self.layout[0].dp_size
         # The rank whose answer stands for the group (metrics reduced over data-parallel ranks): data-parallel
         # rank 0's reporting rank.
         self.reporter = next(r for r, x in enumerate(self.layout) if x.reports and x.dp_rank == 0)
 
-    def call(self, method: str, *args, **kwargs) -> list:
+    # ------------------------------------------------------------ the role's calls (ModelWorker's, on every rank)
+
+    def load_hf(self, path: str, value_head_from: str | None = None) -> None:
+        self._call("load_hf", path, value_head_from)
+
+    def setup_optimizer(self, optim) -> None:
+        self._call("setup_optimizer", optim)
+
+    def keep_reference(self) -> None:
+        """The current weights become the frozen reference (host memory) that ref_logprobs swaps in."""
+        self._call("keep_reference")
+
+    def save(self, path: str, trainer_state: dict | None = None) -> None:
+        self._call("save", path, trainer_state)
+
+    def load(self, path: str) -> dict:
+        """Restores a checkpoint; its trainer state."""
+        return self._call("load", path)[self.reporter]
+
+    def export_hf(self, path: str, config: dict, tokenizer_dir: str | None) -> None:
+        self._call("export_hf", path, config, tokenizer_dir)
+
+    def offload(self, part: str = "all") -> None:
+        self._call("offload", part)
+
+    def reload(self, part: str | None = None) -> None:
+        self._call("reload", part)
+
+    def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
+                        engine_ranks: list[list[int]] | None, config_from: str) -> None:
+        self._call("connect_engines", addresses, transport, bucket_bytes, engine_ranks, config_from)
+
+    def reconnect_engines(self) -> None:
+        self._call("reconnect_engines")
+
+    def sync(self, version: int, engines: list[int] | None = None) -> list:
+        """The weights into the engines (or `engines`) as `version`: every rank's sync.weights.SyncStats."""
+        return self._call("sync", version, engines)
+
+    def logprobs(self, sequences: list[list[int]], starts: list[int], temperature: float, micro_batch_tokens: int,
+                 with_entropy: bool = False) -> list[dict]:
+        """Per sequence, {"logprobs"} (and "entropy") of its tokens from `starts` under the model."""
+        return self._forward("logprobs", sequences, starts, temperature=temperature, with_entropy=with_entropy,
+                             micro_batch_tokens=micro_batch_tokens)
+
+    def ref_logprobs(self, sequences: list[list[int]], starts: list[int], temperature: float,
+                     micro_batch_tokens: int) -> list[dict]:
+        """logprobs under the reference kept by keep_reference (swapped into this group's modules)."""
+        return self._forward("ref_logprobs", sequences, starts, temperature=temperature,
+                             micro_batch_tokens=micro_batch_tokens)
+
+    def values(self, sequences: list[list[int]], starts: list[int], micro_batch_tokens: int) -> list[dict]:
+        """Per sequence, {"values"} of the value head at the positions that predict its tokens from `starts`."""
+        return self._forward("values", sequences, starts, micro_batch_tokens=micro_batch_tokens)
+
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        """A reward model's score of each sequence: the head's output at its last token (the value "before" one
+        appended token)."""
+        out = self._forward("values", [q + [0] for q in sequences], [len(q) for q in sequences])
+        return [o["values"][0].item() for o in out]
+
+    def train_policy(self, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
+                     mini_batches: int, epochs: int, loss_cfg, temperature: float, micro_batch_tokens: int) -> dict:
+        """The actor's optimizer steps on the batch (workers/train.train_step); the metrics."""
+        return self._update("actor", sequences, starts, per_token, mini_batches, epochs=epochs, loss_cfg=loss_cfg,
+                            temperature=temperature, micro_batch_tokens=micro_batch_tokens)
+
+    def train_values(self, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
+                     mini_batches: int, epochs: int, loss_cfg, micro_batch_tokens: int, value_clip: float) -> dict:
+        """The critic's optimizer steps (workers/train.critic_train_step); the metrics."""
+        return self._update("critic", sequences, starts, per_token, mini_batches, epochs=epochs, loss_cfg=loss_cfg,
+                            micro_batch_tokens=micro_batch_tokens, value_clip=value_clip)
+
+    def train_sft(self, sequences: list[list[int]], starts: list[int], micro_batch_tokens: int) -> dict:
+        """One SFT optimizer step on the batch (workers/train.sft_step); the metrics."""
+        return self._update("sft", sequences, starts, {}, 1, micro_batch_tokens=micro_batch_tokens)
+
+    # ------------------------------------------------------------ how calls reach the ranks
+
+    def _call(self, method: str, *args, **kwargs) -> list:
         """`method` on every rank with the same arguments; every rank's answer."""
         import ray
 
         return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
-
-    def report(self, method: str, *args, **kwargs):
-        """`method` on every rank; the reporting rank's answer."""
-        return self.call(method, *args, **kwargs)[self.reporter]
 
     def _by_share(self, method: str, shares: list, *args, **kwargs) -> list:
         """`method(share, ...)` on every rank, each given its data-parallel rank's share (one object in the store,
@@ -117,7 +192,7 @@ class WorkerGroup:
         return ray.get([getattr(w, method).remote(refs[x.dp_rank], *args, **kwargs)
                         for w, x in zip(self.workers, self.layout)])
 
-    def forward(self, kind: str, sequences: list[list[int]], starts: list[int], **kwargs) -> list[dict]:
+    def _forward(self, kind: str, sequences: list[list[int]], starts: list[int], **kwargs) -> list[dict]:
         """Per-sequence results of ModelWorker.forward (log-probs, reference log-probs or values) in batch order."""
         shares = balance_across_ranks([len(s) for s in sequences], self.dp)
         answers = self._by_share("forward", [{"sequences": [sequences[i] for i in share],
@@ -130,7 +205,7 @@ class WorkerGroup:
                     out[i] = value
         return out
 
-    def update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
+    def _update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
                mini_batches: int, **kwargs) -> dict:
         """ModelWorker.update over `mini_batches` consecutive mini-batches of the batch (each split over the
         data-parallel ranks); the metrics."""

@@ -166,6 +166,10 @@ class AlgorithmSection:
     lam: float = 1.0  # GAE lambda
     kl_in_reward_coef: float = 0.0  # KL to the reference subtracted from the token rewards (PPO style)
     kl_in_reward_estimator: KLEstimator = "k1"
+    # > 0: the KL-in-reward coefficient adapts toward this KL (verl's adaptive controller; kl_in_reward_coef is its
+    # start), at a rate set by kl_horizon (sequences)
+    kl_target: float = 0.0
+    kl_horizon: int = 10000
     # With one optimizer step per batch (one mini-batch, one epoch) the old policy is the current one: the update's
     # own log-probs, detached, stand for the old ones, and their forward pass is skipped (verl and slime run it).
     skip_on_policy_old_logprobs: bool = True
@@ -264,6 +268,14 @@ class Recipe:
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     resources: ResourcesSection = dataclasses.field(default_factory=ResourcesSection)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+
+    def __post_init__(self):
+        # One section type serves the actor and the critic: each reads only its own loss fields.
+        if self.critic.loss != PolicyLossSection():
+            raise ConfigError("critic.loss: the critic's loss is the clipped value loss (critic.value_clip); the "
+                              "policy loss is actor.loss")
+        if self.actor.value_clip != TrainSection.value_clip:
+            raise ConfigError(f"actor.value_clip: {self.actor.value_clip} is the critic's (critic.value_clip)")
 
     @property
     def uses_critic(self) -> bool:
@@ -436,6 +448,14 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if recipe.rollout.n == 1 and recipe.algorithm.estimator in ("grpo", "rloo"):
         raise ConfigError(f"rollout.n: 1 with algorithm.estimator={recipe.algorithm.estimator} gives every sample a "
                           "zero advantage (a group of one); use n >= 2")
+    algo = recipe.algorithm
+    if algo.kl_target < 0 or algo.kl_horizon < 1:
+        raise ConfigError(f"algorithm.kl_target, kl_horizon: need kl_target >= 0 and kl_horizon >= 1, got "
+                          f"{algo.kl_target}, {algo.kl_horizon}")
+    if (algo.kl_target > 0 or algo.kl_horizon != 10000) and not (algo.kl_target > 0 and algo.kl_in_reward_coef > 0):
+        raise ConfigError(f"algorithm.kl_target: the adaptive KL controller needs kl_target > 0 and a starting "
+                          f"kl_in_reward_coef > 0, got kl_target={algo.kl_target}, kl_in_reward_coef="
+                          f"{algo.kl_in_reward_coef}")
     if recipe.algorithm.dynamic_sampling_max_rounds < 0:
         raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: must be >= 0, got "
                           f"{recipe.algorithm.dynamic_sampling_max_rounds}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
-from rlhf_mc.runtime import host
+from rlhf_mc.runtime import console, host
 
 
 def node_ip() -> str:
@@ -34,6 +34,7 @@ class ModelWorker:
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
                  recompute: str = "none", value_head: bool = False):
+        console.quiet_framework_warnings()
         self.rank, self.world, self.model = rank, world, model
         self._build = (parallel, dtype, seed, recompute, value_head)
         self._store = None

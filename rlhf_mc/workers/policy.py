@@ -31,7 +31,7 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, c
     pipeline schedule over `interleaved_pp` stages (0: not interleaved), every pack is padded to the longest one by
     a trailing dummy sequence, and packs of padding only are added until their number is a multiple of the stages
     (both the schedule's requirements)."""
-    from rlhf_mc.models.context_parallel import split_for_cp
+    from rlhf_mc.runtime.context_parallel import split_for_cp
 
     padded = [-(-len(s) // multiple) * multiple for s in sequences]
     groups = micro_batches_by_tokens(padded, micro_batch_tokens)
@@ -79,7 +79,7 @@ def forward_per_token(chunks: list[torch.nn.Module], sequences: list[torch.Tenso
     over its response tokens, on every rank."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.models.context_parallel import gather_from_cp
+    from rlhf_mc.runtime.context_parallel import gather_from_cp
     from rlhf_mc.models.pipeline import run_pipeline
     from rlhf_mc.runtime import device
 

@@ -61,7 +61,7 @@ def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[i
     response tokens (position t carries the values for token t + 1)."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.models.context_parallel import split_for_cp
+    from rlhf_mc.runtime.context_parallel import split_for_cp
     from rlhf_mc.runtime import device
     from rlhf_mc.workers.policy import build_microbatches, pad_multiple
 
