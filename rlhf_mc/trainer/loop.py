@@ -304,8 +304,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             if critic:
                 critic.load(str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
-        actor.connect_engines(addresses, plan.sync_transport, r.sync_bucket_mb * 2**20,
-                   cluster.engine_ranks(), str(init_hf))
+        actor.connect_engines(addresses, plan.sync_transport, r.sync_bucket_mb * 2**20, cluster.engine_ranks(),
+                              str(init_hf))
         reward_model = None
         if recipe.reward.model:
             reward_path = str(resolve_path(recipe.reward.model))

@@ -178,6 +178,18 @@ class AlgorithmSection:
     # rounds per step (then the step fails, saying so); 0 = off
     dynamic_sampling_max_rounds: int = 0
 
+    def __post_init__(self):
+        if self.kl_target < 0 or self.kl_horizon < 1:
+            raise ConfigError(f"kl_target, kl_horizon: need kl_target >= 0 and kl_horizon >= 1, got "
+                              f"{self.kl_target}, {self.kl_horizon}")
+        adaptive = self.kl_target > 0 or self.kl_horizon != AlgorithmSection.kl_horizon
+        if adaptive and not (self.kl_target > 0 and self.kl_in_reward_coef > 0):
+            raise ConfigError(f"kl_target: the adaptive KL controller needs kl_target > 0 and a starting "
+                              f"kl_in_reward_coef > 0, got kl_target={self.kl_target}, kl_in_reward_coef="
+                              f"{self.kl_in_reward_coef}")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise ConfigError(f"dynamic_sampling_max_rounds: must be >= 0, got {self.dynamic_sampling_max_rounds}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
@@ -448,17 +460,6 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if recipe.rollout.n == 1 and recipe.algorithm.estimator in ("grpo", "rloo"):
         raise ConfigError(f"rollout.n: 1 with algorithm.estimator={recipe.algorithm.estimator} gives every sample a "
                           "zero advantage (a group of one); use n >= 2")
-    algo = recipe.algorithm
-    if algo.kl_target < 0 or algo.kl_horizon < 1:
-        raise ConfigError(f"algorithm.kl_target, kl_horizon: need kl_target >= 0 and kl_horizon >= 1, got "
-                          f"{algo.kl_target}, {algo.kl_horizon}")
-    if (algo.kl_target > 0 or algo.kl_horizon != 10000) and not (algo.kl_target > 0 and algo.kl_in_reward_coef > 0):
-        raise ConfigError(f"algorithm.kl_target: the adaptive KL controller needs kl_target > 0 and a starting "
-                          f"kl_in_reward_coef > 0, got kl_target={algo.kl_target}, kl_in_reward_coef="
-                          f"{algo.kl_in_reward_coef}")
-    if recipe.algorithm.dynamic_sampling_max_rounds < 0:
-        raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: must be >= 0, got "
-                          f"{recipe.algorithm.dynamic_sampling_max_rounds}")
     if recipe.algorithm.dynamic_sampling_max_rounds and (
             recipe.rollout.n < 2 or recipe.algorithm.estimator not in ("grpo", "rloo", "reinforce_pp_baseline")):
         raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: dynamic sampling drops groups of equal scores; "

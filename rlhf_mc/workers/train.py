@@ -140,7 +140,10 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
         old = logprobs.detach() if on_policy else mb["old_logprobs"]
         ratio_weights, correction = None, {}
         if cfg.tis_cap is not None or cfg.reject != "none":
-            sums = _segment_sums(old - mb["rollout_logprobs"], mb["segment"], mask, cp_group)
+            # a packed row holds several sequences: their sums (a CP all-reduce) only where a level needs them
+            by_sequence = (cfg.tis_cap is not None and cfg.tis_level == "sequence") or cfg.reject in ("sequence",
+                                                                                                   "geometric")
+            sums = _segment_sums(old - mb["rollout_logprobs"], mb["segment"], mask, cp_group) if by_sequence else None
             ratio_weights, correction = core.rollout_correction(
                 old, mb["rollout_logprobs"], mask, cfg.tis_cap, cfg.tis_level, cfg.reject, cfg.reject_low,
                 cfg.reject_high, seq_log_ratio=sums)
