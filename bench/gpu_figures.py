@@ -64,14 +64,16 @@ def train_step(seq: int, batch: int, steps: int) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
     chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, QWEN3_06B.vocab_size, (seq,), generator=g) for _ in range(batch)]
-    seconds = _timed(lambda: sft_step(state, data, [seq // 2] * batch, seq * 2), steps, 1)
+    data = Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (seq,), generator=g)
+                                     for _ in range(batch)], [seq // 2] * batch)
+    seconds = _timed(lambda: sft_step(state, data, seq * 2), steps, 1)
     tokens = seq * batch
     return {"tokens_per_s": tokens / seconds, "flops_per_s": tokens * _flops_per_token(QWEN3_06B, seq) / seconds,
             "params": sum(p.numel() for p in chunks[0].parameters()), "seconds": seconds}
@@ -80,16 +82,18 @@ def train_step(seq: int, batch: int, steps: int) -> dict:
 def logprob_memory(context: int) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig(), seed=0)
     chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
-    seq = torch.randint(0, QWEN3_06B.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    seq = Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (context,),
+                                                  generator=torch.Generator().manual_seed(0))], [1])
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    compute_log_prob(chunks, [seq], [1], micro_batch_tokens=context)
+    compute_log_prob(chunks, seq, micro_batch_tokens=context)
     torch.cuda.synchronize()
     return {"peak_extra_bytes": torch.cuda.max_memory_allocated() - base, "seconds": time.perf_counter() - start,
             "full_logits_bytes": context * QWEN3_06B.vocab_size * 4}
@@ -100,12 +104,14 @@ def offload_figures() -> dict:
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.runtime.offload import offload_training_state, reload
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
     chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
-    sft_step(state, [torch.randint(0, QWEN3_06B.vocab_size, (1024,)) for _ in range(2)], [512] * 2, 2048)
+    sft_step(state, Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (1024,)) for _ in range(2)],
+                                             [512] * 2), 2048)
     saved, out = [], {"offload_s": [], "reload_s": [], "freed": []}
     for _ in range(3):
         torch.cuda.synchronize()

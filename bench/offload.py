@@ -38,13 +38,15 @@ def measure(model: ModelConfig, repeats: int) -> dict:
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.runtime.offload import (gradient_tensors, offload_training_state, optimizer_tensors, reload,
                                         weight_tensors)
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
     chunks = build_model(model, ParallelConfig())
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     g = torch.Generator().manual_seed(0)
-    sft_step(state, [torch.randint(0, model.vocab_size, (256,), generator=g) for _ in range(4)], [128] * 4, 1024)
+    sft_step(state, Trajectories.single_turn([torch.randint(0, model.vocab_size, (256,), generator=g)
+                                              for _ in range(4)], [128] * 4), 1024)
     tensors = [*weight_tensors(chunks), *gradient_tensors(chunks, state.optimizer),
                *optimizer_tensors(state.optimizer)]
     baseline = _resident_bytes(tensors)

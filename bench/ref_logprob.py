@@ -47,6 +47,7 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import HostReference, compute_log_prob
 
     model, _ = checkpoint_model_config(model_dir)
@@ -54,10 +55,10 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
     chunks = build_model(model, ParallelConfig(), init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     reference = HostReference(chunks)
-    seqs = workload(n)
+    batch = Trajectories.single_turn(workload(n), [PROMPT] * n)
     start = time.perf_counter()
     with reference.swapped_in(chunks):
-        compute_log_prob(chunks, seqs, [PROMPT] * n, micro_batch_tokens=micro_batch_tokens)
+        compute_log_prob(chunks, batch, micro_batch_tokens=micro_batch_tokens)
     return time.perf_counter() - start
 
 

@@ -7,6 +7,7 @@ dataclasses are trusted.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import types
 import typing
@@ -21,6 +22,20 @@ _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 class ConfigError(ValueError):
     """A config value is missing, unknown, of the wrong type, or inconsistent. The message names the key path."""
+
+
+def import_by_path(field: str, path: str) -> Any:
+    """The callable at 'package.module:function' (a recipe's extension point), or a ConfigError naming `field`."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{field}: {path!r} is not 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{field}: cannot import {path!r} ({e})") from None
+    if not callable(fn):
+        raise ConfigError(f"{field}: {path!r} is not callable")
+    return fn
 
 
 def _check_type(value: Any, tp: Any, path: str) -> Any:

@@ -208,6 +208,7 @@ def test_kl_in_reward_enters_the_outcome_estimators_scores():
     two equal scores with different KLs then get opposite advantages (were 0 when the KL was dropped)."""
     from pathlib import Path
 
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.trainer.loop import advantages
     from rlhf_mc.trainer.recipe import load_recipe
 
@@ -216,13 +217,16 @@ def test_kl_in_reward_enters_the_outcome_estimators_scores():
                           "algorithm.kl_in_reward_estimator=k1"])
     old = [t([-1.0, -1.0]), t([-1.0])]
     per_token = {"rollout_logprobs": old, "old_logprobs": old, "ref_logprobs": [t([-1.5, -2.0]), t([-1.0])]}
-    fields, current_kl = advantages(recipe, [1.0, 1.0], [0, 0], per_token, kl_coef=0.5)
-    adv = fields["advantages"]
+    # prompts of 2 and 3 tokens: the KL on their tokens (old 0 vs ref 0 here) is outside the loss mask anyway
+    batch = Trajectories.single_turn([[1, 2, 3, 4], [1, 2, 3, 4]], [2, 3], per_token, scores=[1.0, 1.0],
+                                     groups=[0, 0])
+    fields, current_kl = advantages(recipe, batch, kl_coef=0.5)
+    adv = batch.rows(fields["advantages"])
     close(current_kl, (0.75 + 0.0) / 2)  # the mean over sequences of their token-mean KL
     # scores 1 - 0.5 * (0.5 + 1.0) = 0.25 and 1 - 0 = 1: mean 0.625, unbiased std 0.375 * sqrt(2)
     a = 0.375 / (0.375 * math.sqrt(2) + 1e-6)
-    close(adv[0], [-a, -a])
-    close(adv[1], [a])
+    close(adv[0], [0, 0, -a, -a])
+    close(adv[1], [0, 0, 0, a])
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",

@@ -17,6 +17,7 @@ def _run(tp: int, ckpt: str) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import sft_step
 
     parallel = ParallelConfig(tp=tp)
@@ -27,7 +28,7 @@ def _run(tp: int, ckpt: str) -> dict:
     batches = [[torch.randint(3, 15, (10,), generator=g) for _ in range(8)] for _ in range(5)]
 
     def steps(state, which):
-        return [sft_step(state, batches[i], [6] * 8, 4096)["sft_loss"] for i in which]
+        return [sft_step(state, Trajectories.single_turn(batches[i], [6] * 8), 4096)["sft_loss"] for i in which]
 
     chunks = build_model(model, parallel)
     state = setup_training(chunks, optim)

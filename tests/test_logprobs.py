@@ -1,5 +1,6 @@
 """compute_log_prob (packed, micro-batched by tokens, sharded) against the single-process padded computation:
-Megatron at TP=1 on a right-padded batch with torch's full-vocabulary log_softmax. And the reference swap."""
+Megatron at TP=1 on a right-padded batch with torch's full-vocabulary log_softmax, at every token (the prompt's
+too: the results are aligned with the batch's tokens, 0 at each first token). And the reference swap."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ LENGTHS, STARTS = [12, 30, 7, 21, 16, 9], [4, 10, 3, 5, 8, 2]
 TEMPERATURE, TOL = 0.8, 1e-5
 
 
-def _sequences() -> list[torch.Tensor]:
+def _batch():
+    from rlhf_mc.data.trajectory import Trajectories
+
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in LENGTHS]
+    return Trajectories.single_turn([torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in LENGTHS], STARTS)
 
 
 def _padded_reference(ckpt: str) -> list[dict]:
@@ -30,7 +33,7 @@ def _padded_reference(ckpt: str) -> list[dict]:
     init_parallel(ParallelConfig(), seed=5)
     (model,) = build_model(MODEL, ParallelConfig())
     save_model([model], Path(ckpt) / "weights")
-    seqs = _sequences()
+    seqs = _batch().rows()
     tokens = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, :len(s)] = s
@@ -39,9 +42,9 @@ def _padded_reference(ckpt: str) -> list[dict]:
         logits = model(tokens, torch.arange(tokens.size(1)).expand_as(tokens), None).float()
     logp = torch.log_softmax(logits / TEMPERATURE, -1)
     out = []
-    for i, (s, start) in enumerate(zip(seqs, STARTS)):
-        rows = logp[i, start - 1:len(s) - 1]
-        out.append({"logprobs": rows.gather(-1, s[start:, None])[:, 0], "entropy": -(rows.exp() * rows).sum(-1)})
+    for i, s in enumerate(seqs):
+        rows = logp[i, :len(s) - 1]  # predicting tokens 1..
+        out.append({"logprobs": rows.gather(-1, s[1:, None])[:, 0], "entropy": -(rows.exp() * rows).sum(-1)})
     return out
 
 
@@ -54,8 +57,9 @@ def _sharded(parallel: ParallelConfig, ckpt: str, micro_batch_tokens: int) -> li
     init_parallel(parallel)
     chunks = build_model(MODEL, parallel, init_weights=False)
     load_model(chunks, Path(ckpt) / "weights")
-    return compute_log_prob(chunks, _sequences(), STARTS, TEMPERATURE, with_entropy=True,
-                            micro_batch_tokens=micro_batch_tokens)
+    batch = _batch()
+    out = compute_log_prob(chunks, batch, TEMPERATURE, with_entropy=True, micro_batch_tokens=micro_batch_tokens)
+    return [{k: batch.rows(v)[i] for k, v in out.items()} for i in range(len(batch))]
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +86,10 @@ def test_log_prob_matches_padded_single_process(name, reference):
     ckpt, expected = reference
     parallel, world, micro_batch_tokens = LAYOUTS[name]
     for rank_result in spawn(_sharded, world, parallel, ckpt, micro_batch_tokens):  # every rank gets the results
-        for got, want, start, n in zip(rank_result, expected, STARTS, LENGTHS):
-            assert got["logprobs"].shape == (n - start,)
+        for got, want, n in zip(rank_result, expected, LENGTHS):
+            assert got["logprobs"].shape == (n,) and got["logprobs"][0] == 0 and got["entropy"][0] == 0
             for key in ("logprobs", "entropy"):
-                assert (got[key] - want[key]).abs().max().item() < TOL, f"{name}: {key}"
+                assert (got[key][1:] - want[key]).abs().max().item() < TOL, f"{name}: {key}"
 
 
 def _swap(ckpt: str) -> dict:
@@ -103,10 +107,10 @@ def _swap(ckpt: str) -> dict:
         for p in chunks[0].parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     actor_before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
-    args = (_sequences(), STARTS, TEMPERATURE)
+    batch = _batch()
     with reference.swapped_in(chunks):
-        ref = compute_log_prob(chunks, *args, micro_batch_tokens=40)
-    actor = compute_log_prob(chunks, *args, micro_batch_tokens=40)
+        ref = batch.rows(compute_log_prob(chunks, batch, TEMPERATURE, micro_batch_tokens=40)["logprobs"])
+    actor = batch.rows(compute_log_prob(chunks, batch, TEMPERATURE, micro_batch_tokens=40)["logprobs"])
     unchanged = all(torch.equal(p, actor_before[n]) for n, p in chunks[0].named_parameters())
     return {"ref": ref, "actor": actor, "unchanged": unchanged}
 
@@ -116,5 +120,5 @@ def test_reference_swap_is_exact_and_leaves_the_actor_bitwise_unchanged(referenc
     for r in spawn(_swap, 2, ckpt):
         assert r["unchanged"]
         for got, want in zip(r["ref"], expected):
-            assert (got["logprobs"] - want["logprobs"]).abs().max().item() < TOL
-        assert max((a["logprobs"] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3
+            assert (got[1:] - want["logprobs"]).abs().max().item() < TOL
+        assert max((a[1:] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3

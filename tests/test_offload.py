@@ -23,6 +23,7 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.runtime.offload import offload_training_state, reload
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import train_step
 
     init_parallel(ParallelConfig(), seed=11)
@@ -33,9 +34,9 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
     mine = list(range(ps.get_data_parallel_rank(), len(seqs), ps.get_data_parallel_world_size()))
     out: dict = {}
     for step in range(2):
-        out[f"grad_norm{step}"] = train_step(state, [seqs[i] for i in mine], [STARTS[i] for i in mine],
-                                             {k: [v[i] for i in mine] for k, v in per_token.items()}, LOSS,
-                                             temperature=0.9, micro_batch_tokens=40)["grad_norm"]
+        out[f"grad_norm{step}"] = train_step(state, Trajectories.single_turn(
+            [seqs[i] for i in mine], [STARTS[i] for i in mine], {k: [v[i] for i in mine] for k, v in per_token.items()}),
+            LOSS, temperature=0.9, micro_batch_tokens=40)["grad_norm"]
         if offload_between and step == 0:
             # Enumerated here, independently of training_tensors: what must be freed.
             inner = getattr(state.optimizer, "chained_optimizers", [state.optimizer])

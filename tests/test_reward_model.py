@@ -27,14 +27,15 @@ def _scores(model_dir: str, tp: int) -> list[float]:
     from rlhf_mc.config import ParallelConfig
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_values
 
     model = model_config_from_hf(read_hf_config(model_dir))
     init_parallel(ParallelConfig(tp=tp), seed=0)
     chunks = build_model(model, ParallelConfig(tp=tp), value_head=True)
     load_hf_weights(chunks, model_dir, model, value_head_from="score.weight")
-    out = compute_values(chunks, [torch.tensor(s + [0]) for s in SEQS], [len(s) for s in SEQS])
-    return [v["values"][0].item() for v in out]
+    batch = Trajectories.single_turn([s + [0] for s in SEQS], [len(s) for s in SEQS])
+    return [v[0].item() for v in batch.masked(compute_values(chunks, batch)["values"])]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -26,6 +26,15 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200, 3]]
 STEPS, REPEATS = 3, 10
 
 
+def _actor_logprobs(chunks, responses: list[list[int]]) -> list[torch.Tensor]:
+    """The actor's log-probs of each of PROMPTS' responses."""
+    from rlhf_mc.data.trajectory import Trajectories
+    from rlhf_mc.workers.policy import compute_log_prob
+
+    batch = Trajectories.single_turn([p + r for p, r in zip(PROMPTS, responses)], [len(p) for p in PROMPTS])
+    return batch.masked(compute_log_prob(chunks, batch)["logprobs"])
+
+
 def payload_producer(serialized: str) -> int:
     """The pid of the process whose shared memory a CPU payload refers to."""
     strings = [arg for _, arg, _ in pickletools.genops(base64.b64decode(serialized)) if isinstance(arg, bytes)]
@@ -48,7 +57,7 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
-    from rlhf_mc.workers.policy import compute_log_prob
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import PolicyLossConfig, train_step
 
     received: list[tuple[int, list[int]]] = []  # (engine, producer pid per TP rank) per bucket this rank posted
@@ -78,19 +87,17 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
                  "old_logprobs": [torch.full((len(s) - st,), -5.5) for s, st in zip(seqs, starts)]}
     steps = []
     for version in range(1, STEPS + 1):
-        train_step(state, seqs, starts, per_token, PolicyLossConfig(), micro_batch_tokens=64)
+        train_step(state, Trajectories.single_turn(seqs, starts, per_token), PolicyLossConfig(), micro_batch_tokens=64)
         stats = sync.sync(chunks, version)
         box = [None]
         if rank == 0:
             box = [[]]
             for client in clients:
                 samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-                check_versions(samples, version)
+                check_versions([s.weight_version for s in samples], version)
                 box[0].append([(s.response_ids, s.logprobs) for s in samples])
         torch.distributed.broadcast_object_list(box, src=0)
-        actor = [[a["logprobs"] for a in compute_log_prob(
-            chunks, [torch.tensor(p + r) for p, (r, _) in zip(PROMPTS, per_engine)], [len(p) for p in PROMPTS])]
-            for per_engine in box[0]]
+        actor = [_actor_logprobs(chunks, [r for r, _ in per_engine]) for per_engine in box[0]]
         steps.append({"engines": box[0], "actor": actor, "stats": stats})
     rss = []
     for version in range(STEPS + 1, STEPS + 1 + REPEATS):
@@ -173,7 +180,6 @@ def _sync_once(model_dir: str, address: str, kill_pid: int | None = None) -> dic
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
-    from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig(tp=2), seed=3)
     model = model_config_from_hf(read_hf_config(model_dir))
@@ -194,13 +200,12 @@ def _sync_once(model_dir: str, address: str, kill_pid: int | None = None) -> dic
     box = [None]
     if torch.distributed.get_rank() == 0 and not out["failed"]:
         samples = transport.client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-        check_versions(samples, 1)
+        check_versions([s.weight_version for s in samples], 1)
         box = [[(s.response_ids, s.logprobs) for s in samples]]
     torch.distributed.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        actor = compute_log_prob(chunks, [torch.tensor(p + r) for p, (r, _) in zip(PROMPTS, box[0])],
-                                 [len(p) for p in PROMPTS])
-        out["gap"] = max((torch.tensor(lp) - a["logprobs"]).abs().max().item() for (_, lp), a in zip(box[0], actor))
+        actor = _actor_logprobs(chunks, [r for r, _ in box[0]])
+        out["gap"] = max((torch.tensor(lp) - a).abs().max().item() for (_, lp), a in zip(box[0], actor))
     return out
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime.spawn import spawn
 from rlhf_mc.workers.train import PolicyLossConfig
 
@@ -50,9 +51,9 @@ def _step(parallel: ParallelConfig, loss_cfg: PolicyLossConfig, ckpt: str, refer
     seqs, per_token = _data()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = list(range(dp_rank, len(seqs), dp))
-    metrics = train_step(state, [seqs[i] for i in mine], [STARTS[i] for i in mine],
-                         {k: [v[i] for i in mine] for k, v in per_token.items()}, loss_cfg, temperature=0.9,
-                         micro_batch_tokens=40)
+    batch = Trajectories.single_turn([seqs[i] for i in mine], [STARTS[i] for i in mine],
+                                     {k: [v[i] for i in mine] for k, v in per_token.items()})
+    metrics = train_step(state, batch, loss_cfg, temperature=0.9, micro_batch_tokens=40)
     diff = None
     if reference:
         save_model(chunks, Path(ckpt) / "weights1")
@@ -123,7 +124,8 @@ def _critic(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
     chunks = build_model(MODEL, parallel, value_head=True)
     (save_model if reference else load_model)(chunks, Path(ckpt) / "critic0")
     seqs, per_token = _data()
-    values = compute_values(chunks, seqs, STARTS, micro_batch_tokens=40)
+    batch = Trajectories.single_turn(seqs, STARTS)
+    values = batch.masked(compute_values(chunks, batch, micro_batch_tokens=40)["values"])
     out = {"values": values}
     if reference:  # independent: one right-padded forward, no packing
         tokens = torch.zeros(len(seqs), max(LENGTHS), dtype=torch.long)
@@ -133,10 +135,11 @@ def _critic(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
             padded = chunks[0](tokens, torch.arange(tokens.size(1)).expand_as(tokens), None)[..., 0]
         out["padded"] = [padded[i, start - 1:n - 1] for i, (start, n) in enumerate(zip(STARTS, LENGTHS))]
     noise = [(r + 5.5) / 3 for r in per_token["ref_logprobs"]]  # ~N(0, 0.1): old values off the current ones
-    targets = {"old_values": [v["values"] + e for v, e in zip(values, noise)],
-               "returns": [v["values"] + a for v, a in zip(values, per_token["advantages"])]}
+    targets = {"old_values": [v + e for v, e in zip(values, noise)],
+               "returns": [v + a for v, a in zip(values, per_token["advantages"])]}
     state = setup_training(chunks, OPTIM)
-    out["metrics"] = critic_train_step(state, seqs, STARTS, targets, clip=0.05, micro_batch_tokens=40)
+    out["metrics"] = critic_train_step(state, Trajectories.single_turn(seqs, STARTS, targets), clip=0.05,
+                                       micro_batch_tokens=40)
     if reference:
         save_model(chunks, Path(ckpt) / "critic1")
     else:
@@ -150,12 +153,12 @@ def _critic(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
 def test_critic_values_and_step_match_single_process(tmp_path):
     (ref,) = spawn(_critic, 1, ParallelConfig(), str(tmp_path), True)
     for got, padded in zip(ref["values"], ref["padded"]):
-        assert (got["values"] - padded).abs().max().item() < TOL
+        assert (got - padded).abs().max().item() < TOL
     assert 0 < ref["metrics"]["clip_fraction"] < 1
     for parallel, world in ((ParallelConfig(tp=2), 2), (ParallelConfig(pp=2), 2)):
         for r in spawn(_critic, world, parallel, str(tmp_path), False):
             for got, want in zip(r["values"], ref["values"]):
-                assert (got["values"] - want["values"]).abs().max().item() < TOL
+                assert (got - want).abs().max().item() < TOL
             assert r["param_diff"] < TOL
             if "value_loss" in r["metrics"]:
                 assert abs(r["metrics"]["value_loss"] - ref["metrics"]["value_loss"]) < TOL
@@ -180,17 +183,20 @@ def _on_policy(parallel: ParallelConfig, ckpt: str, separate_forward: bool) -> d
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = list(range(dp_rank, len(seqs), dp))
     seqs, starts = [seqs[i] for i in mine], [STARTS[i] for i in mine]
-    forward = compute_log_prob(chunks, seqs, starts, temperature=0.9, with_entropy=True, micro_batch_tokens=40)
+    batch = Trajectories.single_turn(seqs, starts)
+    forward = {k: batch.masked(v) for k, v in compute_log_prob(chunks, batch, temperature=0.9, with_entropy=True,
+                                                               micro_batch_tokens=40).items()}
     per_token = {"advantages": [per_token["advantages"][i] for i in mine],
                  "ref_logprobs": [per_token["ref_logprobs"][i] for i in mine],
-                 "rollout_logprobs": [f["logprobs"] + 0.25 for f in forward]}
+                 "rollout_logprobs": [f + 0.25 for f in forward["logprobs"]]}
     if separate_forward:
-        per_token["old_logprobs"] = [f["logprobs"] for f in forward]
+        per_token["old_logprobs"] = forward["logprobs"]
     state = setup_training(chunks, OPTIM)
-    metrics = train_step(state, seqs, starts, per_token, LOSS, temperature=0.9, micro_batch_tokens=40)
-    old = torch.cat([f["logprobs"] for f in forward])
+    metrics = train_step(state, Trajectories.single_turn(seqs, starts, per_token), LOSS, temperature=0.9,
+                         micro_batch_tokens=40)
+    old = torch.cat(forward["logprobs"])
     return {"metrics": metrics, "params": [p.data.clone() for c in chunks for p in c.parameters()],
-            "entropy_sum": torch.cat([f["entropy"] for f in forward]).sum().item(),
+            "entropy_sum": torch.cat(forward["entropy"]).sum().item(),
             "kl_sum": (old - torch.cat(per_token["ref_logprobs"])).sum().item(), "tokens": old.numel()}
 
 

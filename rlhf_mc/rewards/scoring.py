@@ -4,11 +4,10 @@ A function that raises or exceeds its timeout gives the sample `failure_score` a
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import logging
 from typing import Callable
 
-from rlhf_mc.config import ConfigError
+from rlhf_mc.config import ConfigError, import_by_path
 from rlhf_mc.rewards.rules import BUILTIN
 
 log = logging.getLogger(__name__)
@@ -17,17 +16,10 @@ log = logging.getLogger(__name__)
 def resolve(name: str) -> Callable[..., float]:
     if name in BUILTIN:
         return BUILTIN[name]
-    module, sep, attr = name.partition(":")
-    if not sep or not module or not attr:
+    if ":" not in name:
         raise ConfigError(f"reward.function: {name!r} is neither a built-in ({', '.join(BUILTIN)}) nor "
                           "'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward.function: cannot import {name!r} ({e})") from None
-    if not callable(fn):
-        raise ConfigError(f"reward.function: {name!r} is not callable")
-    return fn
+    return import_by_path("reward.function", name)
 
 
 class RewardScorer:

@@ -5,6 +5,7 @@ and logging around it. An optional SFT stage warms the actor up first."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -19,14 +20,14 @@ from tqdm import tqdm
 from rlhf_mc.algorithms import core
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
+from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.rewards.scoring import RewardScorer
-from rlhf_mc.rewards.shaping import overlong_penalty
 from rlhf_mc.rollout.base import SamplingParams
-from rlhf_mc.sync.weights import check_versions
 from rlhf_mc.trainer import checkpoints
 from rlhf_mc.trainer.colocation import ColocationSchedule
 from rlhf_mc.trainer.metrics import MetricsLogger, Timer
 from rlhf_mc.trainer.placement import Cluster
+from rlhf_mc.trainer.rollouts import RolloutManager
 from rlhf_mc.trainer.recipe import Plan, Recipe, model_config, resolve_path, to_dict
 from rlhf_mc.workers.train import PolicyLossConfig
 
@@ -51,30 +52,17 @@ class Stop:
         return self.asked.is_set()
 
 
-def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-
-
-def _rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    return [x[i, :n].clone() for i, n in enumerate(lengths)]
-
-
-def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token: dict[str, list[torch.Tensor]],
-               kl_coef: float = 0.0) -> tuple[dict[str, list[torch.Tensor]], float | None]:
-    """Per response token: "advantages" (and "returns" for GAE), from the scores and the per-token fields; with
-    the KL in the reward at `kl_coef`, also the batch's KL as verl's KL controller reads it (the mean over
-    sequences of each one's token-mean KL), else None."""
-    algo, lengths = recipe.algorithm, [len(x) for x in per_token["rollout_logprobs"]]
-    width = max(lengths)
-    mask = _padded([torch.ones(n) for n in lengths], width).bool()
-    s, g = torch.tensor(scores, dtype=torch.float32), torch.tensor(groups)
-    token_rewards = core.token_rewards_with_kl(s, torch.zeros(len(lengths), width), mask, 0.0)
+def advantages(recipe: Recipe, batch: Trajectories, kl_coef: float = 0.0
+               ) -> tuple[dict[str, torch.Tensor], float | None]:
+    """Per token: "advantages" (and "returns" for GAE), from the scores and the per-token fields; with the KL in
+    the reward at `kl_coef`, also the batch's KL as verl's KL controller reads it (the mean over sequences of each
+    one's token-mean KL), else None."""
+    algo, mask = recipe.algorithm, batch.padded().bool()
+    s, g = batch.scores, batch.groups
+    token_rewards = core.token_rewards_with_kl(s, torch.zeros(mask.shape), mask, 0.0)
     current_kl = None
     if algo.kl_in_reward_coef > 0:
-        kl = core.kl_penalty(_padded(per_token["old_logprobs"], width), _padded(per_token["ref_logprobs"], width),
+        kl = core.kl_penalty(batch.padded(batch.fields["old_logprobs"]), batch.padded(batch.fields["ref_logprobs"]),
                              algo.kl_in_reward_estimator)
         current_kl = core.masked_mean(kl, mask, dim=-1).mean().item()
         token_rewards = core.token_rewards_with_kl(s, kl, mask, kl_coef)
@@ -90,10 +78,10 @@ def advantages(recipe: Recipe, scores: list[float], groups: list[int], per_token
     elif algo.estimator == "reinforce_pp_baseline":
         adv = core.reinforce_pp_baseline_advantages(s, g, mask)
     else:
-        adv, returns = core.gae_advantages(token_rewards, _padded(per_token["values"], width), mask, algo.gamma,
+        adv, returns = core.gae_advantages(token_rewards, batch.padded(batch.fields["values"]), mask, algo.gamma,
                                            algo.lam)
-        out["returns"] = _rows(returns, lengths)
-    out["advantages"] = _rows(adv, lengths)
+        out["returns"] = batch.unpadded(returns)
+    out["advantages"] = batch.unpadded(adv)
     return out, current_kl
 
 
@@ -124,7 +112,8 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     with tqdm(total=sft.steps, desc="sft", dynamic_ncols=True, disable="console" not in recipe.trainer.loggers) as bar:
         for step in range(sft.steps):
             batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-            metrics = group.train_sft([ids for ids, _ in batch], [start for _, start in batch], sft.micro_batch_tokens)
+            metrics = group.train_sft(Trajectories.single_turn([ids for ids, _ in batch], [start for _, start in batch]),
+                                      sft.micro_batch_tokens)
             logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3g}", refresh=False)
             bar.update(1)
@@ -135,96 +124,6 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     group.export_hf(str(out), hf_config, tokenizer_dir)
     group.shutdown()
     return True
-
-
-def rollout(cluster: Cluster, schedule: ColocationSchedule, tokenizer, prompts: list[Prompt],
-            sampling: SamplingParams):
-    samples = cluster.generate([p.ids for p in prompts], sampling, restore=schedule.restore_engine)
-    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-    return samples, texts
-
-
-def sample_batch(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, tokenizer, rewards: tuple,
-                 prompts: list[Prompt], sampling: SamplingParams, version: int, more_prompts, timer: Timer) -> tuple:
-    """The step's scored samples: (prompts, samples, texts, scores, stats). Samples without a response (prompts
-    over the context) are left out. With algorithm.dynamic_sampling_max_rounds (DAPO), the groups whose scores are
-    all equal are dropped and rounds of rollout go on, on `more_prompts(round)`, until data.train_batch_size prompts
-    have groups that differ (the last round's surplus is left unused); running out of rounds is an error."""
-    max_rounds, want = recipe.algorithm.dynamic_sampling_max_rounds, recipe.data.train_batch_size
-    kept_prompts, kept, kept_texts, kept_scores = [], [], [], []
-    stats: dict[str, float] = {"data/samples_empty": 0, "data/groups_dropped": 0}
-    for round_ in range(max(max_rounds, 1)):
-        with timer("rollout"):
-            samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
-        check_versions(samples, version)
-        stats["data/samples_empty"] += len(prompts) * sampling.n - sum(bool(s.response_ids) for s in samples)
-        answered = [i for i, s in enumerate(samples) if s.response_ids]
-        samples, texts = [samples[i] for i in answered], [texts[i] for i in answered]
-        with timer("reward"):
-            scores, reward_stats = score(*rewards, prompts, samples, texts)
-        for k, v in reward_stats.items():  # counts add up over rounds; means are the last round's
-            stats[k] = stats.get(k, 0) + v if k in ("reward/failures", "reward/timeouts") else v
-        groups: dict[int, list[int]] = {}
-        for i, s in enumerate(samples):
-            groups.setdefault(s.prompt_index, []).append(i)
-        for p, members in groups.items():
-            if max_rounds and len({scores[i] for i in members}) == 1:
-                stats["data/groups_dropped"] += 1
-                continue
-            if max_rounds and len(kept_prompts) == want:
-                continue
-            for i in members:
-                samples[i].prompt_index = len(kept_prompts)
-            kept += [samples[i] for i in members]
-            kept_texts += [texts[i] for i in members]
-            kept_scores += [scores[i] for i in members]
-            kept_prompts.append(prompts[p])
-        if not max_rounds or len(kept_prompts) == want:
-            stats["data/rollout_rounds"] = round_ + 1
-            return kept_prompts, kept, kept_texts, kept_scores, stats
-        prompts = more_prompts(round_ + 1)
-    raise RuntimeError(f"algorithm.dynamic_sampling_max_rounds: after {max_rounds} rounds only {len(kept_prompts)} "
-                       f"of data.train_batch_size={want} prompts had groups whose scores differ "
-                       f"({stats['data/groups_dropped']} groups dropped)")
-
-
-def score(scorer: RewardScorer | None, reward_model, overlong: tuple[int, int, float], prompts: list[Prompt],
-          samples, texts: list[str]) -> tuple[list[float], dict]:
-    """Per sample: the rule's score (reward.function) plus the reward model's (reward.model) plus the overlong
-    penalty (`overlong`: max_length, buffer, penalty), with their stats."""
-    scores, stats = [0.0] * len(samples), {}
-    if scorer is not None:
-        scores, stats = scorer.score(texts, [prompts[s.prompt_index].answer for s in samples],
-                                     [prompts[s.prompt_index].text for s in samples])
-    if reward_model is not None:
-        learned = reward_model.score([prompts[s.prompt_index].ids + s.response_ids for s in samples])
-        scores = [a + b for a, b in zip(scores, learned)]
-        stats["reward/model_mean"] = sum(learned) / len(learned)
-    if overlong[1]:
-        penalties = [overlong_penalty(len(s.response_ids), *overlong) for s in samples]
-        scores = [a + b for a, b in zip(scores, penalties)]
-        stats["reward/overlong_penalty_mean"] = sum(penalties) / len(penalties)
-    return scores, stats
-
-
-def validate(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, tokenizer, rewards: tuple,
-             prompts: list[Prompt]) -> dict:
-    """Greedy accuracy (score >= reward.correct_score) and, with rollout.val_n > 1, pass@val_n over samples."""
-    r, max_new = recipe.rollout, recipe.data.max_response_length
-    eos = (tokenizer.eos_token_id,)
-    samples, texts = rollout(cluster, schedule, tokenizer, prompts,
-                             SamplingParams(temperature=0, max_new_tokens=max_new, stop_token_ids=eos))
-    scores, _ = score(*rewards, prompts, samples, texts)
-    correct = recipe.reward.correct_score
-    out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores), "val/reward": sum(scores) / len(scores)}
-    if r.val_n > 1:
-        sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
-                                  max_new_tokens=max_new, stop_token_ids=eos)
-        samples, texts = rollout(cluster, schedule, tokenizer, prompts, sampling)
-        scores, _ = score(*rewards, prompts, samples, texts)
-        solved = {s.prompt_index for s, score in zip(samples, scores) if score >= correct}
-        out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
-    return out
 
 
 def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | None = None) -> dict:
@@ -312,10 +211,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.load_hf(reward_path, "score.weight")
-        overlong = (data.max_response_length, recipe.reward.overlong_buffer, recipe.reward.overlong_penalty)
-        metrics = _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer,
-                             (scorer, reward_model, overlong),
-                             train_prompts, val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
+        rollouts = RolloutManager(recipe, cluster, schedule, tokenizer, scorer, reward_model)
+        metrics = _run_steps(recipe, cluster, schedule, rollouts, actor, reference, critic, tokenizer, train_prompts,
+                             val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
         if stop():
             return metrics
         schedule.finish()
@@ -328,84 +226,75 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         cluster.shutdown()
 
 
-def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, rewards, train_prompts, val_prompts,
-               trainer_state: dict, total_steps, logger, run_dir, dropped, stop: Stop) -> dict:
-    data, r, trainer = recipe.data, recipe.rollout, recipe.trainer
+def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, rollouts: RolloutManager, actor,
+               reference, critic, tokenizer, train_prompts: list[Prompt], val_prompts: list[Prompt],
+               trainer_state: dict, total_steps: int, logger: MetricsLogger, run_dir: Path, dropped: int,
+               stop: Stop) -> dict:
+    data, r, trainer, algo = recipe.data, recipe.rollout, recipe.trainer, recipe.algorithm
     # the KL-in-reward coefficient: fixed, or the adaptive controller's, carried through checkpoints
-    step, kl_coef = trainer_state["step"], trainer_state.get("kl_coef", recipe.algorithm.kl_in_reward_coef)
+    step, kl_coef = trainer_state["step"], trainer_state.get("kl_coef", algo.kl_in_reward_coef)
     loss_cfg = PolicyLossConfig(**{**dataclasses.asdict(recipe.actor.loss),
                                    "norm_length": recipe.actor.loss.norm_length or data.max_response_length})
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
+    micro, critic_micro = recipe.actor.micro_batch_tokens, recipe.critic.micro_batch_tokens
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
+    # the reference's own worker group, or its weights swapped into the actor's modules
+    ref_logprobs = reference.logprobs if reference is not actor else actor.ref_logprobs
     schedule.before_rollout(step, Timer())  # the engines hold the actor's weights, version = step
     timer, metrics = Timer(), {}
     stop.in_steps = True
     if val_prompts and step == 0:
-        logger.log(0, validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
+        logger.log(0, rollouts.validate(val_prompts))
     while step < total_steps:
         with timer("step"):
             epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
-
-            def more_prompts(round_: int, step=step) -> list[Prompt]:  # dynamic sampling's further rounds
-                rng = random.Random(f"{trainer.seed}-{step}-{round_}")
-                return [train_prompts[i] for i in rng.sample(range(len(train_prompts)), data.train_batch_size)]
-
-            prompts, samples, texts, scores, reward_stats = sample_batch(
-                recipe, cluster, schedule, tokenizer, rewards, [train_prompts[i] for i in rows], sampling, step,
-                more_prompts, timer)
+            more_prompts = functools.partial(_more_prompts, train_prompts, data.train_batch_size, trainer.seed, step)
+            batch, sample_stats = rollouts.sample([train_prompts[i] for i in rows], sampling, step, more_prompts,
+                                                  timer)
             schedule.after_rollout(timer)
-            seqs = [prompts[s.prompt_index].ids + s.response_ids for s in samples]
-            starts = [len(prompts[s.prompt_index].ids) for s in samples]
-            per_token = {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]}
             entropy = None
             if not recipe.old_logprobs_from_update:
                 with timer("old_logprob"):
-                    out = actor.logprobs(seqs, starts, temperature, recipe.actor.micro_batch_tokens, with_entropy=True)
-                    per_token["old_logprobs"] = [o["logprobs"] for o in out]
-                    entropy = torch.cat([o["entropy"] for o in out])
+                    out = actor.logprobs(batch, temperature, micro, with_entropy=True)
+                    batch, entropy = batch.with_fields(old_logprobs=out["logprobs"]), out["entropy"]
             if recipe.uses_reference:
                 with timer("ref_logprob"):
-                    # The reference's own worker group, or its weights swapped into the actor's modules.
-                    ref_logprobs = reference.logprobs if reference is not actor else actor.ref_logprobs
-                    out = ref_logprobs(seqs, starts, temperature, recipe.actor.micro_batch_tokens)
-                    per_token["ref_logprobs"] = [o["logprobs"] for o in out]
+                    batch = batch.with_fields(ref_logprobs=ref_logprobs(batch, temperature, micro)["logprobs"])
             if critic:
                 with timer("values"):
-                    out = critic.values(seqs, starts, recipe.critic.micro_batch_tokens)
-                    per_token["old_values"] = per_token["values"] = [o["values"] for o in out]
-            kl_metrics = {}
+                    values = critic.values(batch, critic_micro)["values"]
+                    batch = batch.with_fields(values=values, old_values=values)
             with timer("advantages"):
-                fields, current_kl = advantages(recipe, scores, [s.prompt_index for s in samples], per_token, kl_coef)
-                per_token.update(fields)
-                if current_kl is not None:
-                    kl_metrics = {"algorithm/kl_coef": kl_coef, "algorithm/kl_in_reward": current_kl}
-                    if recipe.algorithm.kl_target > 0:
-                        kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, recipe.algorithm.kl_target,
-                                                        recipe.algorithm.kl_horizon, len(samples))
+                fields, current_kl = advantages(recipe, batch, kl_coef)
+                batch = batch.with_fields(**fields)
+            kl_metrics = {}
+            if current_kl is not None:
+                kl_metrics = {"algorithm/kl_coef": kl_coef, "algorithm/kl_in_reward": current_kl}
+                if algo.kl_target > 0:
+                    kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, algo.kl_target, algo.kl_horizon, len(batch))
             with timer("update_actor"):
-                actor_metrics = actor.train_policy(seqs, starts, per_token, mini_batches, recipe.actor.ppo_epochs,
-                                                   loss_cfg, temperature, recipe.actor.micro_batch_tokens)
+                actor_metrics = actor.train_policy(batch, mini_batches, recipe.actor.ppo_epochs, loss_cfg, temperature,
+                                                   micro)
             critic_metrics = {}
             if critic:
                 with timer("update_critic"):
-                    critic_metrics = critic.train_values(seqs, starts, per_token, critic_mini_batches,
-                                                         recipe.critic.ppo_epochs, loss_cfg,
-                                                         recipe.critic.micro_batch_tokens, recipe.critic.value_clip)
+                    critic_metrics = critic.train_values(batch, critic_mini_batches, recipe.critic.ppo_epochs, loss_cfg,
+                                                         critic_micro, recipe.critic.value_clip)
             step += 1
             if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
                 with timer("save"):
                     _save(actor, critic, run_dir, {"step": step, "kl_coef": kl_coef}, trainer.keep_checkpoints)
             sync_metrics = schedule.before_rollout(step, timer)
-        metrics = _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics,
-                                epoch, dropped, recipe.reward.correct_score)
+        metrics = _step_metrics(batch, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
+                                recipe.reward.correct_score)
         metrics.update(sync_metrics, **kl_metrics, **timer.times,
                        **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
         timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
-            metrics.update(validate(recipe, cluster, schedule, tokenizer, rewards, val_prompts))
+            metrics.update(rollouts.validate(val_prompts))
         logger.log(step, metrics)
         logger.advance()
         if stop():
@@ -413,6 +302,12 @@ def _run_steps(recipe, cluster, schedule, actor, reference, critic, tokenizer, r
             break
     stop.in_steps = False
     return metrics
+
+
+def _more_prompts(prompts: list[Prompt], size: int, seed: int, step: int, round_: int) -> list[Prompt]:
+    """Dynamic sampling's further rounds of a step: prompts drawn at random (reproducibly)."""
+    rng = random.Random(f"{seed}-{step}-{round_}")
+    return [prompts[i] for i in rng.sample(range(len(prompts)), size)]
 
 
 def _save(actor, critic, run_dir: Path, trainer_state: dict, keep: int) -> None:
@@ -425,29 +320,31 @@ def _save(actor, critic, run_dir: Path, trainer_state: dict, keep: int) -> None:
     checkpoints.prune(run_dir, keep)
 
 
-def _old_policy_metrics(per_token, entropy: torch.Tensor | None, actor_metrics: dict) -> dict:
+def _old_policy_metrics(batch: Trajectories, entropy: torch.Tensor | None, actor_metrics: dict) -> dict:
     """Rollout vs trainer log-probs of the same tokens (near 0 when engine and actor agree), the entropy and the KL
     to the reference: from the old-log-prob pass, or reported by an on-policy update that stood in for it."""
     if entropy is None:
         names = {"rollout_logprob_diff": "rollout/logprob_diff", "token_entropy": "actor/entropy",
                  "kl_ref": "actor/kl_ref"}
         return {names[k]: actor_metrics.pop(k) for k in list(actor_metrics) if k in names}
-    old = torch.cat(per_token["old_logprobs"])
-    out = {"actor/entropy": entropy.mean().item(),
-           "rollout/logprob_diff": (old - torch.cat(per_token["rollout_logprobs"])).abs().mean().item()}
-    if "ref_logprobs" in per_token:
-        out["actor/kl_ref"] = core.kl_penalty(old, torch.cat(per_token["ref_logprobs"]), "k1").mean().item()
+    mask, fields = batch.loss_mask, batch.fields
+    old = fields["old_logprobs"][mask]
+    out = {"actor/entropy": entropy[mask].mean().item(),
+           "rollout/logprob_diff": (old - fields["rollout_logprobs"][mask]).abs().mean().item()}
+    if "ref_logprobs" in fields:
+        out["actor/kl_ref"] = core.kl_penalty(old, fields["ref_logprobs"][mask], "k1").mean().item()
     return out
 
 
-def _step_metrics(samples, scores, per_token, entropy, reward_stats, actor_metrics, critic_metrics, epoch, dropped,
+def _step_metrics(batch: Trajectories, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
                   correct) -> dict:
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
-    out = {"reward/mean": sum(scores) / len(scores), "reward/accuracy": sum(s >= correct for s in scores) / len(scores),
-           **reward_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
-           "response/clipped_fraction": sum(s.finish_reason != "stop" for s in samples) / len(samples),
-           **_old_policy_metrics(per_token, entropy, actor_metrics),
-           "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples": len(samples)}
+    lengths = torch.tensor([float(m.sum()) for m in batch.rows(batch.loss_mask)])
+    scores = batch.scores
+    out = {"reward/mean": scores.mean().item(), "reward/accuracy": (scores >= correct).float().mean().item(),
+           **sample_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+           "response/clipped_fraction": sum(f != "stop" for f in batch.finish_reasons) / len(batch),
+           **_old_policy_metrics(batch, entropy, actor_metrics),
+           "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples": len(batch)}
     out.update({f"actor/{k}": v for k, v in actor_metrics.items() if not (isinstance(v, float) and math.isnan(v))})
     out.update({f"critic/{k}": v for k, v in critic_metrics.items()})
     return out

@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
+from rlhf_mc.data.trajectory import Trajectories, gather_shares
 from rlhf_mc.trainer.recipe import Plan, Recipe
 
 log = logging.getLogger("rlhf_mc.trainer")
@@ -137,43 +140,43 @@ class WorkerGroup:
         """The weights into the engines (or `engines`) as `version`: every rank's sync.weights.SyncStats."""
         return self._call("sync", version, engines)
 
-    def logprobs(self, sequences: list[list[int]], starts: list[int], temperature: float, micro_batch_tokens: int,
-                 with_entropy: bool = False) -> list[dict]:
-        """Per sequence, {"logprobs"} (and "entropy") of its tokens from `starts` under the model."""
-        return self._forward("logprobs", sequences, starts, temperature=temperature, with_entropy=with_entropy,
+    def logprobs(self, batch: Trajectories, temperature: float, micro_batch_tokens: int,
+                 with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Per token of the batch, "logprobs" (and "entropy") under the model."""
+        return self._forward("logprobs", batch, temperature=temperature, with_entropy=with_entropy,
                              micro_batch_tokens=micro_batch_tokens)
 
-    def ref_logprobs(self, sequences: list[list[int]], starts: list[int], temperature: float,
-                     micro_batch_tokens: int) -> list[dict]:
+    def ref_logprobs(self, batch: Trajectories, temperature: float, micro_batch_tokens: int
+                     ) -> dict[str, torch.Tensor]:
         """logprobs under the reference kept by keep_reference (swapped into this group's modules)."""
-        return self._forward("ref_logprobs", sequences, starts, temperature=temperature,
-                             micro_batch_tokens=micro_batch_tokens)
+        return self._forward("ref_logprobs", batch, temperature=temperature, micro_batch_tokens=micro_batch_tokens)
 
-    def values(self, sequences: list[list[int]], starts: list[int], micro_batch_tokens: int) -> list[dict]:
-        """Per sequence, {"values"} of the value head at the positions that predict its tokens from `starts`."""
-        return self._forward("values", sequences, starts, micro_batch_tokens=micro_batch_tokens)
+    def values(self, batch: Trajectories, micro_batch_tokens: int) -> dict[str, torch.Tensor]:
+        """Per token of the batch, "values": the value head's estimate of the state before it."""
+        return self._forward("values", batch, micro_batch_tokens=micro_batch_tokens)
 
     def score(self, sequences: list[list[int]]) -> list[float]:
         """A reward model's score of each sequence: the head's output at its last token (the value "before" one
         appended token)."""
-        out = self._forward("values", [q + [0] for q in sequences], [len(q) for q in sequences])
-        return [o["values"][0].item() for o in out]
+        batch = Trajectories.single_turn([q + [0] for q in sequences], [len(q) for q in sequences])
+        values = self._forward("values", batch)["values"]
+        return values[torch.tensor(batch.offsets[1:]) - 1].tolist()
 
-    def train_policy(self, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
-                     mini_batches: int, epochs: int, loss_cfg, temperature: float, micro_batch_tokens: int) -> dict:
+    def train_policy(self, batch: Trajectories, mini_batches: int, epochs: int, loss_cfg, temperature: float,
+                     micro_batch_tokens: int) -> dict:
         """The actor's optimizer steps on the batch (workers/train.train_step); the metrics."""
-        return self._update("actor", sequences, starts, per_token, mini_batches, epochs=epochs, loss_cfg=loss_cfg,
-                            temperature=temperature, micro_batch_tokens=micro_batch_tokens)
+        return self._update("actor", batch, mini_batches, epochs=epochs, loss_cfg=loss_cfg, temperature=temperature,
+                            micro_batch_tokens=micro_batch_tokens)
 
-    def train_values(self, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
-                     mini_batches: int, epochs: int, loss_cfg, micro_batch_tokens: int, value_clip: float) -> dict:
+    def train_values(self, batch: Trajectories, mini_batches: int, epochs: int, loss_cfg, micro_batch_tokens: int,
+                     value_clip: float) -> dict:
         """The critic's optimizer steps (workers/train.critic_train_step); the metrics."""
-        return self._update("critic", sequences, starts, per_token, mini_batches, epochs=epochs, loss_cfg=loss_cfg,
+        return self._update("critic", batch, mini_batches, epochs=epochs, loss_cfg=loss_cfg,
                             micro_batch_tokens=micro_batch_tokens, value_clip=value_clip)
 
-    def train_sft(self, sequences: list[list[int]], starts: list[int], micro_batch_tokens: int) -> dict:
+    def train_sft(self, batch: Trajectories, micro_batch_tokens: int) -> dict:
         """One SFT optimizer step on the batch (workers/train.sft_step); the metrics."""
-        return self._update("sft", sequences, starts, {}, 1, micro_batch_tokens=micro_batch_tokens)
+        return self._update("sft", batch, 1, micro_batch_tokens=micro_batch_tokens)
 
     # ------------------------------------------------------------ how calls reach the ranks
 
@@ -192,31 +195,22 @@ class WorkerGroup:
         return ray.get([getattr(w, method).remote(refs[x.dp_rank], *args, **kwargs)
                         for w, x in zip(self.workers, self.layout)])
 
-    def _forward(self, kind: str, sequences: list[list[int]], starts: list[int], **kwargs) -> list[dict]:
-        """Per-sequence results of ModelWorker.forward (log-probs, reference log-probs or values) in batch order."""
-        shares = balance_across_ranks([len(s) for s in sequences], self.dp)
-        answers = self._by_share("forward", [{"sequences": [sequences[i] for i in share],
-                                              "starts": [starts[i] for i in share]} for share in shares],
-                                 kind, **kwargs)
-        out: list = [None] * len(sequences)
-        for x, answer in zip(self.layout, answers):
-            if x.reports:
-                for i, value in zip(shares[x.dp_rank], answer):
-                    out[i] = value
-        return out
+    def _forward(self, kind: str, batch: Trajectories, **kwargs) -> dict[str, torch.Tensor]:
+        """ModelWorker.forward's per-token results (log-probs, reference log-probs or values) of the whole batch."""
+        shares = balance_across_ranks(batch.lengths.tolist(), self.dp)
+        answers = self._by_share("forward", [batch.select(share) for share in shares], kind, **kwargs)
+        reported = {x.dp_rank: answer for x, answer in zip(self.layout, answers) if x.reports}
+        return {k: gather_shares(batch, shares, [reported[d][k] for d in range(self.dp)]) for k in reported[0]}
 
-    def _update(self, kind: str, sequences: list[list[int]], starts: list[int], per_token: dict[str, list],
-               mini_batches: int, **kwargs) -> dict:
+    def _update(self, kind: str, batch: Trajectories, mini_batches: int, **kwargs) -> dict:
         """ModelWorker.update over `mini_batches` consecutive mini-batches of the batch (each split over the
         data-parallel ranks); the metrics."""
-        n = len(sequences)
-        per_rank: list[list[dict]] = [[] for _ in range(self.dp)]
+        n = len(batch)
+        per_rank: list[list[Trajectories]] = [[] for _ in range(self.dp)]
         for m in range(mini_batches):
             index = list(range(m * n // mini_batches, (m + 1) * n // mini_batches))
-            for d, share in enumerate(balance_across_ranks([len(sequences[i]) for i in index], self.dp)):
-                rows = [index[i] for i in share]
-                per_rank[d].append({"sequences": [sequences[i] for i in rows], "starts": [starts[i] for i in rows],
-                                    "per_token": {k: [v[i] for i in rows] for k, v in per_token.items()}})
+            for d, share in enumerate(balance_across_ranks(batch.lengths[index].tolist(), self.dp)):
+                per_rank[d].append(batch.select([index[i] for i in share]))
         return self._by_share("update", per_rank, kind, **kwargs)[self.reporter]
 
     def shutdown(self) -> None:

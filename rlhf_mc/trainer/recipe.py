@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_mc.algorithms.core import Aggregation, KLEstimator
 from rlhf_mc.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig, from_dict,
-                            load_yaml)
+                            import_by_path, load_yaml)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,10 @@ class RolloutSection:
     sync_transport: Literal["auto", "tensor", "distributed", "disk"] = "auto"  # auto: tensor if colocated
     sync_bucket_mb: int = 256
     engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # model_path comes from the actor
+    # the rollout function, "package.module:function" (rollout/functions.py: the signature), called with
+    # function_kwargs as keyword arguments
+    function: str = "rlhf_mc.rollout.functions:single_turn"
+    function_kwargs: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("n", "val_n", "sync_bucket_mb"):
@@ -177,6 +181,8 @@ class AlgorithmSection:
     # on, on more prompts, until data.train_batch_size prompts have groups that differ; at most this many rollout
     # rounds per step (then the step fails, saying so); 0 = off
     dynamic_sampling_max_rounds: int = 0
+    # what dynamic sampling keeps: keep(scores of a prompt's group) -> bool, "package.module:function"
+    group_filter: str = "rlhf_mc.rollout.functions:scores_differ"
 
     def __post_init__(self):
         if self.kl_target < 0 or self.kl_horizon < 1:
@@ -189,6 +195,9 @@ class AlgorithmSection:
                               f"{self.kl_in_reward_coef}")
         if self.dynamic_sampling_max_rounds < 0:
             raise ConfigError(f"dynamic_sampling_max_rounds: must be >= 0, got {self.dynamic_sampling_max_rounds}")
+        if self.group_filter != AlgorithmSection.group_filter and not self.dynamic_sampling_max_rounds:
+            raise ConfigError(f"group_filter: {self.group_filter!r} is read only with dynamic sampling on "
+                              "(dynamic_sampling_max_rounds > 0)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,13 +550,15 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
 
 
 def check_launch(recipe: Recipe) -> None:
-    """What --dry-run does not check (it may run away from the data): input files exist, the reward function
-    imports, the checkpoint to resume from is complete."""
+    """What --dry-run does not check (it may run away from the data): input files exist, the reward function,
+    rollout function and group filter import, the checkpoint to resume from is complete."""
     from rlhf_mc.rewards.scoring import resolve
     from rlhf_mc.trainer.checkpoints import resume_from
 
     if recipe.reward.function:
         resolve(recipe.reward.function)
+    import_by_path("rollout.function", recipe.rollout.function)
+    import_by_path("algorithm.group_filter", recipe.algorithm.group_filter)
     resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
     if recipe.reward.model:
         from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config

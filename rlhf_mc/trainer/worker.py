@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime import console, host
 
 
@@ -145,20 +146,19 @@ class ModelWorker:
 
     # ------------------------------------------------------------ forward and updates on this rank's share
 
-    def forward(self, share: dict, kind: str, temperature: float = 1.0, with_entropy: bool = False,
-                micro_batch_tokens: int = 8192) -> list[dict] | None:
-        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values", of
-        share["sequences"] from share["starts"]."""
+    def forward(self, share: Trajectories, kind: str, temperature: float = 1.0, with_entropy: bool = False,
+                micro_batch_tokens: int = 8192) -> dict[str, torch.Tensor] | None:
+        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values", per token of
+        this rank's share."""
         from rlhf_mc.workers.policy import compute_log_prob, compute_values
 
-        seqs, starts = [torch.tensor(s) for s in share["sequences"]], share["starts"]
         if kind == "values":
-            out = compute_values(self.chunks, seqs, starts, micro_batch_tokens)
+            out = compute_values(self.chunks, share, micro_batch_tokens)
         elif kind == "ref_logprobs":
             with self.reference.swapped_in(self.chunks):
-                out = compute_log_prob(self.chunks, seqs, starts, temperature, with_entropy, micro_batch_tokens)
+                out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens)
         else:
-            out = compute_log_prob(self.chunks, seqs, starts, temperature, with_entropy, micro_batch_tokens)
+            out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens)
         return out if self._reports() else None
 
     def _reports(self) -> bool:
@@ -167,24 +167,22 @@ class ModelWorker:
         return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
                 and ps.is_pipeline_last_stage(ignore_virtual=True))
 
-    def update(self, mini_batches: list[dict], kind: str, epochs: int = 1, loss_cfg=None, temperature: float = 1.0,
-               micro_batch_tokens: int = 8192, value_clip: float = 0.2) -> dict:
+    def update(self, mini_batches: list[Trajectories], kind: str, epochs: int = 1, loss_cfg=None,
+               temperature: float = 1.0, micro_batch_tokens: int = 8192, value_clip: float = 0.2) -> dict:
         """kind: "actor" (policy loss), "critic" (value loss) or "sft". One optimizer step per mini-batch (this
-        rank's share of it: "sequences", "starts", "per_token"), `epochs` times; returns the metrics averaged over
-        the optimizer steps."""
+        rank's share of it), `epochs` times; returns the metrics averaged over the optimizer steps."""
         from rlhf_mc.workers.train import critic_train_step, sft_step, train_step
 
         totals: dict[str, float] = {}
         for _ in range(epochs):
             for mb in mini_batches:
-                seqs, starts, pt = [torch.tensor(s) for s in mb["sequences"]], mb["starts"], mb["per_token"]
                 if kind == "actor":
-                    metrics = train_step(self.state, seqs, starts, pt, loss_cfg, temperature, micro_batch_tokens)
+                    metrics = train_step(self.state, mb, loss_cfg, temperature, micro_batch_tokens)
                 elif kind == "critic":
-                    metrics = critic_train_step(self.state, seqs, starts, pt, value_clip, loss_cfg.aggregation,
-                                                micro_batch_tokens, loss_cfg.norm_length)
+                    metrics = critic_train_step(self.state, mb, value_clip, loss_cfg.aggregation, micro_batch_tokens,
+                                                loss_cfg.norm_length)
                 else:
-                    metrics = sft_step(self.state, seqs, starts, micro_batch_tokens)
+                    metrics = sft_step(self.state, mb, micro_batch_tokens)
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v)
         steps = len(mini_batches) * epochs

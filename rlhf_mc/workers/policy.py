@@ -1,8 +1,8 @@
-"""Forward passes of a policy model (actor or reference) on this rank: per-token log-probs (and entropy) of response
-tokens, packed (THD), micro-batched by a token budget, through Megatron's pipeline schedule.
+"""Forward passes of a model on this rank: per-token log-probs (and entropy), or a critic's values, of a batch of
+trajectories, packed (THD), micro-batched by a token budget, through Megatron's pipeline schedule.
 
-The caller gives each data-parallel rank its share of the sequences (data/microbatch.balance_across_ranks); results
-come back on every rank of the model-parallel group, in the order of the input.
+The caller gives each data-parallel rank its share of the batch (data/microbatch.balance_across_ranks); results
+come back on every rank of the model-parallel group, aligned with the share's tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlhf_mc.data.microbatch import micro_batches_by_tokens
 from rlhf_mc.data.packing import pack
+from rlhf_mc.data.trajectory import Trajectories
 
 
 def pad_multiple(config) -> int:
@@ -72,23 +73,20 @@ def _to(params, device):
 
 
 @torch.no_grad()
-def forward_per_token(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
-                      head, micro_batch_tokens: int) -> list[dict[str, torch.Tensor]]:
+def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, micro_batch_tokens: int
+                      ) -> dict[str, torch.Tensor]:
     """Runs the model over packed micro-batches; `head(mb, output) -> {name: [local tokens]}` turns the model's
-    output into per-token values (at position t: the value for token t + 1). Returns, per sequence, each value
-    over its response tokens, on every rank."""
+    output into per-token values (at position t: the value for token t + 1). Returns each value as a per-token
+    tensor of the batch (data/trajectory.py's alignment: 0 at each sequence's first token), on every rank."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.runtime.context_parallel import gather_from_cp
     from rlhf_mc.models.pipeline import run_pipeline
     from rlhf_mc.runtime import device
 
-    for start, seq in zip(response_starts, sequences):
-        if not 1 <= start < len(seq):
-            raise ValueError(f"response_start {start} must lie in [1, {len(seq)}) for a sequence of {len(seq)}")
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
-    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
+    microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
                                               pad_multiple(chunks[0].config))
     cp_group = ps.get_context_parallel_group()
 
@@ -106,20 +104,18 @@ def forward_per_token(chunks: list[torch.nn.Module], sequences: list[torch.Tenso
     if dist.get_world_size(pp_group) > 1:
         dist.broadcast_object_list(payload, src=dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1),
                                    group=pp_group)
-    results: list[dict | None] = [None] * len(sequences)
+    rows: dict[str, list] = {k: [None] * len(batch) for k in (payload[0][0] if payload[0] else {})}
     for mb, group, report in zip(microbatches, groups, payload[0]):
-        parts = {k: mb["packed"].unpack(v) for k, v in report.items()}
-        for j, i in enumerate(group):
-            first = response_starts[i] - 1
-            results[i] = {k: parts[k][j][first:len(sequences[i]) - 1] for k in parts}
-    return results
+        for k, v in report.items():
+            for i, part in zip(group, mb["packed"].unpack(v)):
+                rows[k][i] = torch.cat([part.new_zeros(1), part[:-1]])  # position t's value is token t + 1's
+    return {k: torch.cat(v) for k, v in rows.items()}
 
 
-def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
-                     temperature: float = 1.0, with_entropy: bool = False, micro_batch_tokens: int = 8192,
-                     ) -> list[dict[str, torch.Tensor]]:
-    """For each sequence (prompt + response token ids), {"logprobs": [response_len]} (+ "entropy") of its response
-    tokens under the model: log p(token_t | tokens_<t) with logits / temperature (rollout/base.py semantics)."""
+def compute_log_prob(chunks: list[torch.nn.Module], batch: Trajectories, temperature: float = 1.0,
+                     with_entropy: bool = False, micro_batch_tokens: int = 8192) -> dict[str, torch.Tensor]:
+    """Per token of the batch, "logprobs" (and "entropy" of the distribution it was drawn from): log p(token_t |
+    tokens_<t) with logits / temperature (rollout/base.py semantics)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
@@ -131,15 +127,13 @@ def compute_log_prob(chunks: list[torch.nn.Module], sequences: list[torch.Tensor
                                                     with_entropy=with_entropy)
         return {"logprobs": logprobs, **({"entropy": entropy} if with_entropy else {})}
 
-    return forward_per_token(chunks, sequences, response_starts, head, micro_batch_tokens)
+    return forward_per_token(chunks, batch, head, micro_batch_tokens)
 
 
-def compute_values(chunks: list[torch.nn.Module], sequences: list[torch.Tensor], response_starts: list[int],
-                   micro_batch_tokens: int = 8192) -> list[dict[str, torch.Tensor]]:
-    """Critic (a model built with value_head=True): {"values": [response_len]} per sequence, the value of the
-    state before each response token."""
-    return forward_per_token(chunks, sequences, response_starts,
-                             lambda mb, out: {"values": out[0, :, 0].float()}, micro_batch_tokens)
+def compute_values(chunks: list[torch.nn.Module], batch: Trajectories, micro_batch_tokens: int = 8192
+                   ) -> dict[str, torch.Tensor]:
+    """Critic (a model built with value_head=True): per token, "values": the value of the state before it."""
+    return forward_per_token(chunks, batch, lambda mb, out: {"values": out[0, :, 0].float()}, micro_batch_tokens)
 
 
 class HostReference:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mc.algorithms import core
+from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.optim import TrainState
 
 
@@ -53,12 +54,11 @@ def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, tota
     return [1.0 / (max(total_seqs, 1) * max(n, 1)) for n in lengths]
 
 
-def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[int],
-                          per_token: dict[str, list[torch.Tensor]], aggregation: str, micro_batch_tokens: int,
-                          config, interleaved: bool, norm_length: int = 1) -> list[dict]:
-    """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field plus the
-    aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits predict the
-    response tokens (position t carries the values for token t + 1)."""
+def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tokens: int, config, interleaved: bool,
+                          norm_length: int = 1) -> list[dict]:
+    """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field of the batch
+    plus the aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits
+    predict the tokens (position t carries the values of token t + 1), 0 outside the loss mask."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.runtime.context_parallel import split_for_cp
@@ -66,28 +66,28 @@ def _aligned_microbatches(sequences: list[torch.Tensor], response_starts: list[i
     from rlhf_mc.workers.policy import build_microbatches, pad_multiple
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    lengths = [len(s) - start for s, start in zip(sequences, response_starts)]
+    masks = batch.rows(batch.loss_mask)
+    lengths = [int(m.sum()) for m in masks]
     totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
     weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]), norm_length)
+    # per sequence, the fields inside its loss mask; the weight of each trained token
+    rows = {k: [r * m for r, m in zip(batch.rows(v), masks)] for k, v in batch.fields.items()}
+    rows["weight"] = [m.float() * w for m, w in zip(masks, weights)]
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
-    microbatches, groups = build_microbatches(sequences, micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
-                                              pad_multiple(config))
+    microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp,
+                                              device(), pad_multiple(config))
     for mb, group in zip(microbatches, groups):
-        aligned = {k: [] for k in [*per_token, "weight", "segment"]}
-        packed = mb["packed"]
-        for j, (a, b) in enumerate(zip(packed.cu_seqlens[:-1], packed.cu_seqlens[1:])):
-            i = group[j] if j < len(group) else None  # None: padding added for the interleaved schedule
-            for k in aligned:
-                row = torch.zeros(b - a, dtype=torch.float32)
-                if k == "segment":
-                    row.fill_(j)
-                elif i is not None:
-                    first, last = response_starts[i] - 1, len(sequences[i]) - 1
-                    row[first:last] = weights[i] if k == "weight" else per_token[k][i].float()
-                aligned[k].append(row)
-        for k, rows in aligned.items():
-            mb[k] = split_for_cp(torch.cat(rows).unsqueeze(0), cp, cp_rank, 1, packed.cu_seqlens).to(device())
+        cu = mb["packed"].cu_seqlens
+        spans = [b - a for a, b in zip(cu[:-1], cu[1:])]  # padded sequences (the interleaved schedule's fillers too)
+        aligned = {"segment": torch.cat([torch.full((n,), float(j)) for j, n in enumerate(spans)])}
+        for k, per_sequence in rows.items():
+            parts = [torch.zeros(n) for n in spans]
+            for part, i in zip(parts, group):
+                part[:len(per_sequence[i]) - 1] = per_sequence[i][1:]
+            aligned[k] = torch.cat(parts)
+        for k, row in aligned.items():
+            mb[k] = split_for_cp(row.unsqueeze(0), cp, cp_rank, 1, cu).to(device())
     return microbatches
 
 
@@ -113,11 +113,10 @@ def _scaled(loss_and_report, scale):
     return loss * scale, report
 
 
-def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
-               per_token: dict[str, list[torch.Tensor]], cfg: PolicyLossConfig, temperature: float = 1.0,
+def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, temperature: float = 1.0,
                micro_batch_tokens: int = 8192) -> dict:
-    """Actor step. `per_token`: per sequence, values for its response tokens: "advantages", "rollout_logprobs",
-    "old_logprobs", and where used "ref_logprobs" (kl_loss_coef > 0). This rank's data-parallel share.
+    """Actor step on this rank's data-parallel share of a mini-batch, whose fields hold "advantages",
+    "rollout_logprobs", "old_logprobs", and where used "ref_logprobs" (kl_loss_coef > 0).
 
     Without "old_logprobs" the step is on-policy (one optimizer step per batch): the old log-probs are this
     forward's own, detached, and the step reports what a separate old-log-prob pass would have given: the mean
@@ -126,11 +125,10 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
-    microbatches = _aligned_microbatches(sequences, response_starts, per_token, cfg.aggregation, micro_batch_tokens,
-                                         config=state.model[0].config, interleaved=len(state.model) > 1,
-                                         norm_length=cfg.norm_length)
+    microbatches = _aligned_microbatches(batch, cfg.aggregation, micro_batch_tokens, config=state.model[0].config,
+                                         interleaved=len(state.model) > 1, norm_length=cfg.norm_length)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
-    on_policy = "old_logprobs" not in per_token
+    on_policy = "old_logprobs" not in batch.fields
 
     def loss_fn(mb, logits):
         logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
@@ -178,15 +176,13 @@ def train_step(state: TrainState, sequences: list[torch.Tensor], response_starts
     return _run(state, microbatches, loss_fn)
 
 
-def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
-                      per_token: dict[str, list[torch.Tensor]], clip: float = 0.2,
+def critic_train_step(state: TrainState, batch: Trajectories, clip: float = 0.2,
                       aggregation: core.Aggregation = "token-mean", micro_batch_tokens: int = 8192,
                       norm_length: int = 1) -> dict:
-    """Critic step (a model built with value_head=True): clipped value loss against "returns", around
-    "old_values" (per sequence, per response token)."""
-    microbatches = _aligned_microbatches(sequences, response_starts, per_token, aggregation, micro_batch_tokens,
-                                         config=state.model[0].config, interleaved=len(state.model) > 1,
-                                         norm_length=norm_length)
+    """Critic step (a model built with value_head=True): clipped value loss against the batch's "returns", around
+    its "old_values"."""
+    microbatches = _aligned_microbatches(batch, aggregation, micro_batch_tokens, config=state.model[0].config,
+                                         interleaved=len(state.model) > 1, norm_length=norm_length)
 
     def loss_fn(mb, output):
         w = mb["weight"]
@@ -199,15 +195,14 @@ def critic_train_step(state: TrainState, sequences: list[torch.Tensor], response
     return _run(state, microbatches, loss_fn)
 
 
-def sft_step(state: TrainState, sequences: list[torch.Tensor], response_starts: list[int],
-             micro_batch_tokens: int = 8192) -> dict:
-    """Supervised step: token-mean negative log-likelihood of the response tokens over the whole mini-batch."""
+def sft_step(state: TrainState, batch: Trajectories, micro_batch_tokens: int = 8192) -> dict:
+    """Supervised step: token-mean negative log-likelihood of the loss-mask tokens over the whole mini-batch."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
-    microbatches = _aligned_microbatches(sequences, response_starts, {}, "token-mean", micro_batch_tokens,
-                                         config=state.model[0].config, interleaved=len(state.model) > 1)
+    microbatches = _aligned_microbatches(batch, "token-mean", micro_batch_tokens, config=state.model[0].config,
+                                         interleaved=len(state.model) > 1)
     tp_group = ps.get_tensor_model_parallel_group()
 
     def loss_fn(mb, logits):

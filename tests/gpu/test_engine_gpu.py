@@ -52,6 +52,7 @@ def _actor(model_dir: str, address: str, transport: str) -> list[dict]:
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_log_prob
     from rlhf_mc.workers.train import sft_step
 
@@ -65,14 +66,16 @@ def _actor(model_dir: str, address: str, transport: str) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     gaps = []
     for version in range(1, 4):
-        sft_step(state, [torch.randint(0, model.vocab_size, (32,), generator=g) for _ in range(4)], [8] * 4, 1024)
+        sft_step(state, Trajectories.single_turn(
+            [torch.randint(0, model.vocab_size, (32,), generator=g) for _ in range(4)], [8] * 4), 1024)
         stats = sync.sync(chunks, version)
         assert not stats.failed, stats.failed
         samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
-        check_versions(samples, version)
-        actor = compute_log_prob(chunks, [torch.tensor(p + s.response_ids) for p, s in zip(PROMPTS, samples)],
-                                 [len(p) for p in PROMPTS])
-        diff = torch.cat([torch.tensor(s.logprobs) - a["logprobs"].float().cpu() for s, a in zip(samples, actor)])
+        check_versions([s.weight_version for s in samples], version)
+        batch = Trajectories.single_turn([p + s.response_ids for p, s in zip(PROMPTS, samples)],
+                                         [len(p) for p in PROMPTS])
+        actor = batch.masked(compute_log_prob(chunks, batch)["logprobs"].float().cpu())
+        diff = torch.cat([torch.tensor(s.logprobs) - a for s, a in zip(samples, actor)])
         gaps.append({"mean": diff.abs().mean().item(), "max": diff.abs().max().item()})
     return gaps
 

@@ -35,13 +35,15 @@ def _megatron_logprobs(path: str) -> list[torch.Tensor]:
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig())
     model = model_config_from_hf(read_hf_config(path))
     chunks = build_model(model, ParallelConfig(), dtype="bfloat16", init_weights=False)
     load_hf_weights(chunks, path, model)
-    return [o["logprobs"].float().cpu() for o in compute_log_prob(chunks, list(TOKENS), STARTS)]
+    batch = Trajectories.single_turn(list(TOKENS), STARTS)
+    return [lp.float().cpu() for lp in batch.masked(compute_log_prob(chunks, batch)["logprobs"].cpu())]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -63,14 +65,16 @@ def _steps(offload_between: bool) -> dict:
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.runtime.offload import offload_training_state, reload
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
     chunks = build_model(MODEL, ParallelConfig(), dtype="bfloat16")
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     g = torch.Generator().manual_seed(0)
-    batch = [torch.randint(0, MODEL.vocab_size, (512,), generator=g) for _ in range(4)]
-    out = {"loss0": sft_step(state, batch, [256] * 4, 4096)["sft_loss"]}
+    batch = Trajectories.single_turn([torch.randint(0, MODEL.vocab_size, (512,), generator=g) for _ in range(4)],
+                                     [256] * 4)
+    out = {"loss0": sft_step(state, batch, 4096)["sft_loss"]}
     if offload_between:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -78,7 +82,7 @@ def _steps(offload_between: bool) -> dict:
         out["freed"] = torch.cuda.mem_get_info()[0] - free_before
         out["state_bytes"] = sum(nbytes for _, nbytes, _ in saved)
         reload(saved)
-    out["loss1"] = sft_step(state, batch, [256] * 4, 4096)["sft_loss"]
+    out["loss1"] = sft_step(state, batch, 4096)["sft_loss"]
     out["weights"] = torch.cat([p.detach().float().flatten()[:1000].cpu() for p in chunks[0].parameters()])
     return out
 

@@ -43,6 +43,7 @@ def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
     from rlhf_mc.models.checkpoint import load_model
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig(tp=tp), seed=3)
@@ -51,7 +52,8 @@ def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
     load_model(chunks, Path(ckpt) / "weights")
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, MODEL.vocab_size, (n,), generator=g) for n in (13, 30, 7)]  # lengths not multiples of tp
-    return [o["logprobs"].cpu() for o in compute_log_prob(chunks, seqs, [3, 10, 2])]
+    batch = Trajectories.single_turn(seqs, [3, 10, 2])
+    return batch.masked(compute_log_prob(chunks, batch)["logprobs"].cpu())
 
 
 @pytest.mark.skipif(gpus() < 2, reason="TP=2 needs two GPUs")
