@@ -58,7 +58,8 @@ def matmul_flops(seconds: float = 3.0) -> float:
 
 def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int) -> tuple[dict, Path]:
     from rlhf_mc.trainer.loop import train
-    from rlhf_mc.trainer.recipe import load_recipe, make_plan, model_config
+    from rlhf_mc.trainer.plan import make_plan
+    from rlhf_mc.trainer.recipe import load_recipe, model_config
 
     recipe = load_recipe(REPO / "recipes/quickstart.yaml", [
         f"trainer.output_dir={run_dir}", f"model.config={model_yaml}", "sft.data_path=", "data.val_path=",

@@ -16,12 +16,21 @@ from typing import Any, Literal
 
 import yaml
 
+from rlhf_mc.algorithms.core import Aggregation, KLEstimator, RejectLevel
+
 
 _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
     """A config value is missing, unknown, of the wrong type, or inconsistent. The message names the key path."""
+
+
+def check_at_least(config: Any, minimum: float, *names: str) -> None:
+    """A ConfigError naming the first of `names` whose value in `config` is below `minimum`."""
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise ConfigError(f"{name}: must be >= {minimum}, got {getattr(config, name)}")
 
 
 def import_by_path(field: str, path: str) -> Any:
@@ -198,9 +207,7 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "vpp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "tp", "pp", "vpp", "cp", "ep")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp: {self.vpp} needs pp > 1 (virtual pipeline interleaves pipeline stages)")
 
@@ -263,6 +270,52 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """The actor's loss (workers/train.train_step; recipe: actor.loss)."""
+
+    mode: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = 0.2
+    clip_high: float | None = None  # DAPO clip-higher; null = clip_low
+    dual_clip: float | None = None
+    aggregation: Aggregation = "token-mean"
+    kl_loss_coef: float = 0.0  # KL to the reference as a loss term (GRPO style)
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    # Rollout correction against the rollout engine's log-probs (algorithms/core.rollout_correction): truncated
+    # importance sampling min(ratio, tis_cap) per token or per sequence; masked importance sampling (reject: token =
+    # IcePop, sequence, geometric) drops tokens whose ratio lies outside [reject_low, reject_high]
+    tis_cap: float | None = None
+    tis_level: Literal["token", "sequence"] = "token"
+    reject: RejectLevel = "none"
+    reject_low: float = 0.5
+    reject_high: float = 2.0
+    # seq-mean-token-sum-norm's constant divisor; 0 in a recipe = data.max_response_length (set at load)
+    norm_length: int = 0
+
+    def __post_init__(self):
+        if self.norm_length < 0:
+            raise ConfigError(f"norm_length: must be >= 0, got {self.norm_length}")
+        if self.norm_length and self.aggregation != "seq-mean-token-sum-norm":
+            raise ConfigError(f"norm_length: {self.norm_length} is read by aggregation=seq-mean-token-sum-norm only, "
+                              f"not {self.aggregation}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip: must be > 1, got {self.dual_clip}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"tis_cap: must be > 0, got {self.tis_cap}")
+        if self.tis_level != "token" and self.tis_cap is None:
+            raise ConfigError(f"tis_level: {self.tis_level} is read only with tis_cap set")
+        if not 0 < self.reject_low < 1 < self.reject_high:
+            raise ConfigError(f"reject_low, reject_high: need 0 < low < 1 < high, got {self.reject_low}, "
+                              f"{self.reject_high}")
+        if self.reject == "none" and (self.reject_low, self.reject_high) != (0.5, 2.0):
+            raise ConfigError(f"reject_low, reject_high: {self.reject_low}, {self.reject_high} are read only with "
+                              "reject set (token, sequence or geometric)")
+        check_at_least(self, 0, "kl_loss_coef", "entropy_coef")
+        if self.clip_low <= 0 or (self.clip_high is not None and self.clip_high <= 0):
+            raise ConfigError(f"clip_low, clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """SGLang rollout engines: launched as child processes, or attached to running servers by address."""
 
@@ -285,9 +338,7 @@ class RolloutConfig:
     extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server verbatim
 
     def __post_init__(self):
-        for name in ("num_engines", "tp", "max_concurrency"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, 1, "num_engines", "tp", "max_concurrency")
         if self.addresses and len(self.addresses) != self.num_engines:
             raise ConfigError(f"addresses: {len(self.addresses)} addresses for num_engines={self.num_engines}")
         for address in self.addresses:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_mc.config import ConfigError
-from rlhf_mc.trainer.recipe import apply_overrides, load_recipe, make_plan, model_config
+from rlhf_mc.trainer.plan import make_plan
+from rlhf_mc.trainer.recipe import apply_overrides, load_recipe, model_config
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -96,7 +97,7 @@ BAD = [
     (["actor.optim.lr=-1"], "lr: must be positive, got -1.0"),
     (["trainer.total_step=3"], "trainer.total_step: unknown key"),
     (["rollout.n"], "override 'rollout.n': expected key=value"),
-    (["rollout.n=1"], "rollout.n: 1 with algorithm.estimator=grpo"),
+    (["rollout.n=1"], "rollout.n: 1 with algorithm.estimator=grpo leaves every group without a baseline"),
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size: 5 does not divide data.train_batch_size=32"),
     (["actor.ppo_mini_batch_size=1", "rollout.n=2", "resources.devices_per_node=4"],
      "actor.ppo_mini_batch_size: 1 prompts x rollout.n=2 = 2 sequences do not divide over actor data-parallel "
@@ -139,6 +140,24 @@ BAD = [
     (["reward.function=json:no_such_fn"], "reward.function: cannot import 'json:no_such_fn'"),
     (["data.train_path=/nonexistent.jsonl"], "data.train_path: not found: /nonexistent.jsonl"),
     (["trainer.resume=/nonexistent"], "trainer.resume: '/nonexistent' is not a complete checkpoint"),
+    # every value range-checked at load
+    (["rollout.top_p=1.5"], "rollout.top_p: must lie in (0, 1], got 1.5"),
+    (["rollout.top_k=0"], "rollout.top_k: must be -1 (the whole vocabulary) or >= 1, got 0"),
+    (["rollout.val_temperature=-1"], "rollout.val_temperature: must be >= 0, got -1"),
+    (["actor.loss.clip_low=0"], "actor.loss.clip_low, clip_high: must be > 0, got 0"),
+    (["actor.loss.entropy_coef=-0.1"], "actor.loss.entropy_coef: must be >= 0, got -0.1"),
+    (["critic.value_clip=0"], "critic.value_clip: must be > 0, got 0"),
+    (["algorithm.gamma=1.5"], "algorithm.gamma: must lie in [0, 1], got 1.5"),
+    (["algorithm.kl_in_reward_coef=-1"], "algorithm.kl_in_reward_coef: must be >= 0, got -1"),
+    (["reward.timeout_s=0"], "reward.timeout_s: must be > 0, got 0"),
+    (["reward.workers=0"], "reward.workers: must be >= 1, got 0"),
+    (["sft.batch_size=0"], "sft.batch_size: must be >= 1, got 0"),
+    (["trainer.val_interval=-1"], "trainer.val_interval: must be >= 0, got -1"),
+    (["resources.nodes=0"], "resources.nodes: must be >= 1, got 0"),
+    (["data.val_size=-1"], "data.val_size: must be >= 0, got -1"),
+    (["rollout.function=tests.nothing:here"], "rollout.function: cannot import 'tests.nothing:here'"),
+    (["algorithm.dynamic_sampling_max_rounds=2", "rollout.n=2", "algorithm.group_filter=json"],
+     "algorithm.group_filter: 'json' is not 'package.module:function'"),
 ]
 
 

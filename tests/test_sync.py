@@ -58,7 +58,8 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
     from rlhf_mc.data.trajectory import Trajectories
-    from rlhf_mc.workers.train import PolicyLossConfig, train_step
+    from rlhf_mc.config import PolicyLossConfig
+    from rlhf_mc.workers.train import train_step
 
     received: list[tuple[int, list[int]]] = []  # (engine, producer pid per TP rank) per bucket this rank posted
     load = SGLangEngine.load_tensor_payloads

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime.spawn import spawn
-from rlhf_mc.workers.train import PolicyLossConfig
 
 MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_configs" / "tiny-llama.yaml")
 LENGTHS, STARTS = [12, 30, 7, 21, 16, 9], [4, 10, 3, 5, 8, 2]

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_mc.config import ConfigError  # noqa: E402
 from rlhf_mc.runtime.console import quiet_framework_warnings  # noqa: E402
-from rlhf_mc.trainer.recipe import check_launch, load_recipe, make_plan, model_config, to_dict  # noqa: E402
+from rlhf_mc.trainer.plan import check_launch, make_plan  # noqa: E402
+from rlhf_mc.trainer.recipe import load_recipe, model_config, to_dict  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,8 +28,8 @@ from rlhf_mc.trainer.colocation import ColocationSchedule
 from rlhf_mc.trainer.metrics import MetricsLogger, Timer
 from rlhf_mc.trainer.placement import Cluster
 from rlhf_mc.trainer.rollouts import RolloutManager
-from rlhf_mc.trainer.recipe import Plan, Recipe, model_config, resolve_path, to_dict
-from rlhf_mc.workers.train import PolicyLossConfig
+from rlhf_mc.trainer.plan import Plan
+from rlhf_mc.trainer.recipe import Recipe, model_config, to_dict
 
 log = logging.getLogger("rlhf_mc.trainer")
 
@@ -89,7 +89,7 @@ def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
     """config.json for the actor's HF exports: the source's when the model came from HF, else made from the model
     config with the tokenizer's special tokens (SGLang stops at the config's eos_token_id)."""
     if recipe.model.path:
-        return read_hf_config(resolve_path(recipe.model.path))
+        return read_hf_config(recipe.model.path)
     config = hf_config_from_model(model, recipe.model.dtype)
     config.update(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                   pad_token_id=tokenizer.pad_token_id)
@@ -101,11 +101,11 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
     the result exported to `out` (HF). False if `stop` ended it first (nothing exported)."""
     sft, data = recipe.sft, recipe.data
-    examples = load_sft(resolve_path(sft.data_path), tokenizer, data.prompt_key, sft.response_key,
+    examples = load_sft(sft.data_path, tokenizer, data.prompt_key, sft.response_key,
                         data.chat_template, data.max_prompt_length + data.max_response_length)
     group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
     if recipe.model.path:
-        group.load_hf(str(resolve_path(recipe.model.path)))
+        group.load_hf(recipe.model.path)
     group.setup_optimizer(sft.optim)
     rng = random.Random(recipe.trainer.seed)
     stop.in_steps = True
@@ -135,14 +135,14 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.json").write_text(json.dumps(to_dict(recipe), indent=1, default=str))
     model = model_config(recipe)
-    tokenizer_dir = str(resolve_path(recipe.model.tokenizer or recipe.model.path))
+    tokenizer_dir = recipe.model.tokenizer or recipe.model.path
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     data, r = recipe.data, recipe.rollout
     train_prompts, dropped, val_prompts, total_steps = [], 0, [], 0
     if not recipe.sft.only:
-        train_prompts, dropped = load_prompts(resolve_path(data.train_path), tokenizer, data.prompt_key,
+        train_prompts, dropped = load_prompts(data.train_path, tokenizer, data.prompt_key,
                                               data.answer_key, data.chat_template, data.max_prompt_length)
-        val_prompts = load_prompts(resolve_path(data.val_path), tokenizer, data.prompt_key, data.answer_key,
+        val_prompts = load_prompts(data.val_path, tokenizer, data.prompt_key, data.answer_key,
                                    data.chat_template, data.max_prompt_length)[0] if data.val_path else []
         val_prompts = val_prompts[:data.val_size] if data.val_size else val_prompts
         per_epoch = len(train_prompts) // data.train_batch_size
@@ -169,7 +169,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                 if not run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger, stop):
                     return logger.last
             elif recipe.model.path:
-                init_hf = resolve_path(recipe.model.path)
+                init_hf = Path(recipe.model.path)
             else:
                 group = cluster.worker_group("init", model, recipe.actor.parallel)
                 group.export_hf(str(init_hf), hf_config, tokenizer_dir)
@@ -207,7 +207,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                               str(init_hf))
         reward_model = None
         if recipe.reward.model:
-            reward_path = str(resolve_path(recipe.reward.model))
+            reward_path = recipe.reward.model
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.load_hf(reward_path, "score.weight")
@@ -233,8 +233,6 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     data, r, trainer, algo = recipe.data, recipe.rollout, recipe.trainer, recipe.algorithm
     # the KL-in-reward coefficient: fixed, or the adaptive controller's, carried through checkpoints
     step, kl_coef = trainer_state["step"], trainer_state.get("kl_coef", algo.kl_in_reward_coef)
-    loss_cfg = PolicyLossConfig(**{**dataclasses.asdict(recipe.actor.loss),
-                                   "norm_length": recipe.actor.loss.norm_length or data.max_response_length})
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
@@ -276,13 +274,13 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
                 if algo.kl_target > 0:
                     kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, algo.kl_target, algo.kl_horizon, len(batch))
             with timer("update_actor"):
-                actor_metrics = actor.train_policy(batch, mini_batches, recipe.actor.ppo_epochs, loss_cfg, temperature,
-                                                   micro)
+                actor_metrics = actor.train_policy(batch, mini_batches, recipe.actor.ppo_epochs, recipe.actor.loss,
+                                                   temperature, micro)
             critic_metrics = {}
             if critic:
                 with timer("update_critic"):
-                    critic_metrics = critic.train_values(batch, critic_mini_batches, recipe.critic.ppo_epochs, loss_cfg,
-                                                         critic_micro, recipe.critic.value_clip)
+                    critic_metrics = critic.train_values(batch, critic_mini_batches, recipe.critic.ppo_epochs,
+                                                         recipe.actor.loss, critic_micro, recipe.critic.value_clip)
             step += 1
             if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
                 with timer("save"):

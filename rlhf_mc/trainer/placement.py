@@ -23,7 +23,8 @@ import torch
 from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
-from rlhf_mc.trainer.recipe import Plan, Recipe
+from rlhf_mc.trainer.plan import Plan
+from rlhf_mc.trainer.recipe import Recipe
 
 log = logging.getLogger("rlhf_mc.trainer")
 

@@ -10,35 +10,15 @@ mini-batch is split over micro-batches or ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from rlhf_mc.algorithms import core
+from rlhf_mc.config import PolicyLossConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.optim import TrainState
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyLossConfig:
-    mode: str = "ppo"  # ppo | gspo
-    clip_low: float = 0.2
-    clip_high: float | None = None  # DAPO clip-higher; None = clip_low
-    dual_clip: float | None = None
-    aggregation: core.Aggregation = "token-mean"
-    kl_loss_coef: float = 0.0  # KL as a loss (needs ref_logprobs)
-    kl_estimator: core.KLEstimator = "k3"
-    entropy_coef: float = 0.0
-    # rollout correction (core.rollout_correction): truncated IS at a level, masked IS (rejection) at a level
-    tis_cap: float | None = None
-    tis_level: Literal["token", "sequence"] = "token"
-    reject: core.RejectLevel = "none"
-    reject_low: float = 0.5
-    reject_high: float = 2.0
-    norm_length: int = 1  # seq-mean-token-sum-norm's constant (the response budget)
 
 
 def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int, norm_length: int
