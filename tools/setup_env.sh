@@ -25,6 +25,8 @@ pip_install --no-deps sglang==0.5.23
 # Megatron-Core first (so that the package's ">=0.16.1" finds it installed), then the package and its test extras.
 pip_install --no-deps --ignore-requires-python megatron-core==0.19.2
 pip_install -e ".[test]" torch==2.14.1 torchvision==0.29.1
+# The optional loggers (trainer.loggers: wandb, mlflow), pinned: tests/test_metrics.py runs both, offline.
+pip_install wandb==0.30.0 mlflow-skinny==3.17.2 torch==2.14.1 torchvision==0.29.1
 [ -d "$VENV/mcore-0.16.1/megatron/core" ] || pip_install --no-deps --target "$VENV/mcore-0.16.1" megatron-core==0.16.1
 "$VENV/bin/python" -W ignore -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"

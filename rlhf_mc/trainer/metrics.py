@@ -1,14 +1,20 @@
 """Metrics of every step: a progress bar with the key numbers, a JSONL file (the record tools/plot_metrics.py
-draws from), TensorBoard, and wandb when installed and asked for."""
+draws from), TensorBoard, and wandb or MLflow when asked for."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 KEY_NUMBERS = ("reward/mean", "val/accuracy", "actor/kl_ref", "actor/entropy", "response/length_mean",
                "timing/step_s")
@@ -30,6 +36,56 @@ class Timer:
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
 
+# MLflow accepts metric and param names of alphanumerics, "_", "-", ".", "/", ":" and spaces that are normalized
+# paths (mlflow.utils.validation): of ours only pass@k's "@" falls outside, spelled "pass_at_k" there; any other
+# character outside becomes "_" rather than stopping a run.
+_MLFLOW_BAD_CHARS = re.compile(r"[^\w./\- :]")
+
+
+def _mlflow_name(name: str) -> str:
+    return _MLFLOW_BAD_CHARS.sub("_", name.replace("@", "_at_"))
+
+
+def _flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """MLflow params are flat strings: {"actor": {"optim": {"lr": 1e-5}}} -> {"actor.optim.lr": "1e-05"}."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+def _mlflow_run(run_dir: Path, config: dict, project: str, name: str) -> tuple[MlflowClient, str]:
+    """The MLflow run this run dir logs to: made on the first launch and continued by a relaunch (its id kept in
+    run_dir/mlflow_run_id, as wandb's in wandb_run_id)."""
+    from mlflow.entities import Param  # the recipe asked for it: a missing package is an error
+    from mlflow.tracking import MlflowClient
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        uri = f"file:{run_dir.resolve() / 'mlruns'}"
+        # MLflow 3.17 refuses its file store (in maintenance mode) unless opted in
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(uri)
+    id_file = run_dir / "mlflow_run_id"
+    if id_file.exists():
+        run_id = id_file.read_text()
+        client.update_run(run_id, status="RUNNING")
+    else:
+        experiment = client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(project)
+        run_id = client.create_run(experiment_id, run_name=name).info.run_id
+        id_file.write_text(run_id)
+    # A param's value cannot change: a relaunch adds only the keys the run lacks. MLflow itself splits the list
+    # into requests of at most 100 params and cuts values to 6000 characters (MLFLOW_TRUNCATE_LONG_VALUES).
+    params = {_mlflow_name(key): value for key, value in _flatten(config).items()}
+    logged = client.get_run(run_id).data.params
+    client.log_batch(run_id, params=[Param(key, value) for key, value in params.items() if key not in logged])
+    return client, run_id
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path, loggers: tuple[str, ...], total_steps: int, first_step: int,
                  config: dict, project: str, experiment: str):
@@ -44,8 +100,15 @@ class MetricsLogger:
         if "wandb" in loggers:
             import wandb  # the recipe asked for it: a missing package is an error, not a silent skip
 
+            # resume="allow" continues a run only given its id: the first launch's, kept in the run dir
+            id_file = run_dir / "wandb_run_id"
             self.wandb = wandb.init(project=project, name=experiment or run_dir.name, config=config,
-                                    dir=str(run_dir), resume="allow")
+                                    dir=str(run_dir), id=id_file.read_text() if id_file.exists() else None,
+                                    resume="allow")
+            id_file.write_text(self.wandb.id)
+        self.mlflow = None
+        if "mlflow" in loggers:
+            self.mlflow = _mlflow_run(run_dir, config, project, experiment or run_dir.name)
         self.bar = tqdm(total=total_steps, initial=first_step, desc="steps", dynamic_ncols=True,
                         disable="console" not in loggers)
         self.last: dict[str, float] = {}
@@ -61,6 +124,12 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb:
             self.wandb.log(metrics, step=step)
+        if self.mlflow:
+            from mlflow.entities import Metric
+
+            client, run_id = self.mlflow
+            now_ms = int(time.time() * 1000)
+            client.log_batch(run_id, metrics=[Metric(_mlflow_name(k), v, now_ms, step) for k, v in metrics.items()])
         self.last.update(metrics)
         self.bar.set_postfix({k.split("/", 1)[1]: f"{self.last[k]:.3g}" for k in KEY_NUMBERS if k in self.last},
                              refresh=False)
@@ -76,3 +145,6 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        if self.mlflow:
+            client, run_id = self.mlflow
+            client.set_terminated(run_id)

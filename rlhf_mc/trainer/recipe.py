@@ -228,7 +228,8 @@ class TrainerSection:
     output_dir: str = "runs/default"
     resume: str = "auto"  # auto: continue from the newest complete checkpoint in output_dir; never; or a path
     export_hf: bool = True  # write the final actor as an HF checkpoint
-    loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = ("console", "jsonl", "tensorboard")
+    loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("console", "jsonl",
+                                                                                          "tensorboard")
     project: str = "rlhf_mc"
     experiment: str = ""
     seed: int = 1234
