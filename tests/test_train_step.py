@@ -216,6 +216,7 @@ def test_on_policy_step_without_old_logprobs_equals_the_step_after_their_forward
     assert abs(alone["metrics"]["token_entropy"] - expected["entropy_sum"] / expected["tokens"]) < TOL
     assert abs(alone["metrics"]["kl_ref"] - expected["kl_sum"] / expected["tokens"]) < TOL
     assert "rollout_logprob_diff" not in expected["metrics"]
+    assert "approx_kl" in expected["metrics"] and "approx_kl" not in alone["metrics"]  # 0 by construction there
     for r in spawn(_on_policy, 2, ParallelConfig(), ckpt, False):
         if "pg_loss" in r["metrics"]:
             for key in ("pg_loss", "grad_norm", "rollout_logprob_diff", "token_entropy", "kl_ref"):

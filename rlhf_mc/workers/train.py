@@ -93,6 +93,10 @@ def _scaled(loss_and_report, scale):
     return loss * scale, report
 
 
+# the ratio is 1 on an on-policy step: these read 0 by construction and are left out of its metrics
+ON_POLICY_CONSTANTS = ("approx_kl", "clip_fraction", "dual_clip_fraction")
+
+
 def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, temperature: float = 1.0,
                micro_batch_tokens: int = 8192) -> dict:
     """Actor step on this rank's data-parallel share of a mini-batch, whose fields hold "advantages",
@@ -100,7 +104,8 @@ def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, te
 
     Without "old_logprobs" the step is on-policy (one optimizer step per batch): the old log-probs are this
     forward's own, detached, and the step reports what a separate old-log-prob pass would have given: the mean
-    |old - rollout| log-prob difference, the mean token entropy and the k1 KL to the reference."""
+    |old - rollout| log-prob difference, the mean token entropy and the k1 KL to the reference (and not the ratio's
+    statistics, constant there: ON_POLICY_CONSTANTS)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
@@ -137,7 +142,8 @@ def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, te
             token_weights=w if ratio_weights is None else w * ratio_weights, seq_log_ratio=seq_log_ratio)
         loss = pg
         report = {"pg_loss": pg.detach(), "tokens": mask.sum().detach().float(),
-                  **{k: v * mask.sum() for k, v in {**stats, **correction}.items()}}
+                  **{k: v * mask.sum() for k, v in {**stats, **correction}.items()
+                     if not (on_policy and k in ON_POLICY_CONSTANTS)}}
         if on_policy:
             report["rollout_logprob_diff"] = ((old - mb["rollout_logprobs"]).abs() * mask).sum()
             report["token_entropy"] = (entropy.detach().unsqueeze(0) * mask).sum()
