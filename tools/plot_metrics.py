@@ -1,5 +1,5 @@
-"""Draws a run's curves from its metrics.jsonl into one PNG: reward and accuracy, held-out accuracy and pass@k, KL,
-entropy, response length, and the time of each phase per step.
+"""Draws a run's curves from its metrics.jsonl into one PNG: reward and accuracy, held-out accuracy and pass@k, KL and
+the engine/trainer log-prob gap, entropy, response length, and the time of each phase per step.
 
     python tools/plot_metrics.py RUN_DIR_OR_METRICS_JSONL [--out curves.png]
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 PANELS = [
     ("reward", ["reward/mean", "reward/accuracy"]),
     ("held-out", ["val/accuracy", "val/pass@"]),
-    ("KL", ["actor/kl_ref", "actor/approx_kl", "actor/kl_loss"]),
+    # the KL terms, and the engine/trainer log-prob gap of the sampled tokens (every run has it)
+    ("KL, rollout gap", ["actor/kl_ref", "actor/approx_kl", "actor/kl_loss", "rollout/logprob_diff"]),
     ("entropy", ["actor/entropy"]),
     ("response length", ["response/length_mean", "response/length_max"]),
     ("seconds per phase", ["timing/"]),
