@@ -307,7 +307,8 @@ class PolicyLossConfig:
         if not 0 < self.reject_low < 1 < self.reject_high:
             raise ConfigError(f"reject_low, reject_high: need 0 < low < 1 < high, got {self.reject_low}, "
                               f"{self.reject_high}")
-        if self.reject == "none" and (self.reject_low, self.reject_high) != (0.5, 2.0):
+        if self.reject == "none" and (self.reject_low, self.reject_high) != (PolicyLossConfig.reject_low,
+                                                                             PolicyLossConfig.reject_high):
             raise ConfigError(f"reject_low, reject_high: {self.reject_low}, {self.reject_high} are read only with "
                               "reject set (token, sequence or geometric)")
         check_at_least(self, 0, "kl_loss_coef", "entropy_coef")

@@ -35,7 +35,8 @@ def _two_steps(ckpt: str, offload_between: bool) -> dict:
     out: dict = {}
     for step in range(2):
         out[f"grad_norm{step}"] = train_step(state, Trajectories.single_turn(
-            [seqs[i] for i in mine], [STARTS[i] for i in mine], {k: [v[i] for i in mine] for k, v in per_token.items()}),
+            [seqs[i] for i in mine], [STARTS[i] for i in mine],
+            {k: [v[i] for i in mine] for k, v in per_token.items()}),
             LOSS, temperature=0.9, micro_batch_tokens=40)["grad_norm"]
         if offload_between and step == 0:
             # Enumerated here, independently of training_tensors: what must be freed.

@@ -318,7 +318,8 @@ def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path)
     assert max(r["data/rollout_rounds"] for r in steps.values()) > 1
     tied = tmp_path / "tied"
     proc = _start(tied, [*common, "reward.function=tests.test_trainer:char_code_parity",
-                         "algorithm.dynamic_sampling_max_rounds=2", "algorithm.group_filter=tests.test_trainer:keep_none"])
+                         "algorithm.dynamic_sampling_max_rounds=2",
+                         "algorithm.group_filter=tests.test_trainer:keep_none"])
     assert proc.wait(timeout=900) != 0
     assert ("algorithm.dynamic_sampling_max_rounds: after 2 rounds only 0 of data.train_batch_size=8 prompts had "
             "groups the group filter kept (16 groups dropped)") in tied.with_suffix(".log").read_text()

@@ -23,7 +23,7 @@ def test_rows_masks_select_and_padding():
     assert [r.tolist() for r in b.rows()] == [[1, 2, 5, 6], [3, 7, 9, 8]]
     assert [r.tolist() for r in b.masked(b.tokens)] == [[5, 6], [7, 8]]  # the tool token is not trained on
     assert [r.tolist() for r in b.masked(b.versions)] == [[4, 4], [3, 4]]
-    assert b.sequence_ids().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert b.sequence_ids().tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and b.sampled_tokens().tolist() == [2, 2]
     swapped = b.select([1, 0])
     assert swapped.tokens.tolist() == [3, 7, 9, 8, 1, 2, 5, 6] and swapped.finish_reasons == ["length", "stop"]
     assert swapped.fields["adv"].tolist() == [0, 3, 0, 4, 0, 0, 1, 2] and swapped.scores.tolist() == [0.0, 1.0]
@@ -36,7 +36,8 @@ def test_rows_masks_select_and_padding():
 
 
 def test_single_turn_places_response_fields_and_shares_gather_back():
-    b = Trajectories.single_turn([[1, 2, 3], [4, 5, 6, 7]], [1, 3], {"x": [torch.tensor([1.0, 2]), torch.tensor([3.0])]})
+    b = Trajectories.single_turn([[1, 2, 3], [4, 5, 6, 7]], [1, 3],
+                                 {"x": [torch.tensor([1.0, 2]), torch.tensor([3.0])]})
     assert b.loss_mask.tolist() == [False, True, True, False, False, False, True]
     assert b.fields["x"].tolist() == [0, 1, 2, 0, 0, 0, 3]
     shares = [[1], [0]]
@@ -44,12 +45,14 @@ def test_single_turn_places_response_fields_and_shares_gather_back():
     assert gather_shares(b, shares, answers).tolist() == [0, 10, 20, 0, 0, 0, 30]
     samples = [Sample(0, [1, 2, 3], [False, True, True], [0.0, -0.5, -0.25], [-1, 2, 2], "stop", "x")]
     from_samples = Trajectories.from_samples(samples, [0.5])
-    assert from_samples.fields["rollout_logprobs"].tolist() == [0.0, -0.5, -0.25] and from_samples.scores.tolist() == [0.5]
+    assert from_samples.fields["rollout_logprobs"].tolist() == [0.0, -0.5, -0.25]
+    assert from_samples.scores.tolist() == [0.5]
 
 
 @pytest.mark.parametrize("call, message", [
     (lambda: Trajectories.single_turn([[1, 2]], [2]), "response start 2 of sequence 0 must lie in \\[1, 2\\)"),
-    (lambda: Trajectories.from_rows([[1, 2]], [[0, 1, 1]]), "2 tokens, but fields of sizes {'loss_mask': 3, 'versions': 3}"),
+    (lambda: Trajectories.from_rows([[1, 2]], [[0, 1, 1]]),
+     "2 tokens, but fields of sizes {'loss_mask': 3, 'versions': 3}"),
     (lambda: Trajectories.from_rows([[1, 2]], [[0, 1]], scores=[1.0, 2.0]), "sizes {'scores': 2}"),
 ])
 def test_trajectory_errors(call, message):

@@ -114,6 +114,10 @@ class Trajectories:
         """[T]: the sequence each token belongs to."""
         return torch.repeat_interleave(torch.arange(len(self)), self.lengths)
 
+    def sampled_tokens(self) -> torch.Tensor:
+        """[N]: each sequence's loss-mask tokens (for single-turn data: its response length)."""
+        return torch.zeros(len(self), dtype=torch.long).index_add_(0, self.sequence_ids(), self.loss_mask.long())
+
     def token_index(self, index: Sequence[int]) -> torch.Tensor:
         """The flat positions of the tokens of sequences `index`, in that order."""
         offsets = self.offsets

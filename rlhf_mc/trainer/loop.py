@@ -112,8 +112,8 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     with tqdm(total=sft.steps, desc="sft", dynamic_ncols=True, disable="console" not in recipe.trainer.loggers) as bar:
         for step in range(sft.steps):
             batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-            metrics = group.train_sft(Trajectories.single_turn([ids for ids, _ in batch], [start for _, start in batch]),
-                                      sft.micro_batch_tokens)
+            sequences = Trajectories.single_turn([ids for ids, _ in batch], [start for _, start in batch])
+            metrics = group.train_sft(sequences, sft.micro_batch_tokens)
             logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3g}", refresh=False)
             bar.update(1)
@@ -336,7 +336,7 @@ def _old_policy_metrics(batch: Trajectories, entropy: torch.Tensor | None, actor
 
 def _step_metrics(batch: Trajectories, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
                   correct) -> dict:
-    lengths = torch.tensor([float(m.sum()) for m in batch.rows(batch.loss_mask)])
+    lengths = batch.sampled_tokens().float()
     scores = batch.scores
     out = {"reward/mean": scores.mean().item(), "reward/accuracy": (scores >= correct).float().mean().item(),
            **sample_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),

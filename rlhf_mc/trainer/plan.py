@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from rlhf_mc.config import ConfigError, ModelConfig, import_by_path
-from rlhf_mc.trainer.recipe import Recipe, TrainSection
+from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +226,8 @@ def check_launch(recipe: Recipe) -> None:
             raise ConfigError(f"reward.model: {recipe.reward.model} is not a one-label sequence-classification "
                               f"checkpoint (architectures {hf.get('architectures')})")
         _in_section("reward.parallel.", recipe.reward.parallel.check_model, model_config_from_hf(hf))
-    for key, value in (("model.path", recipe.model.path), ("model.tokenizer", recipe.model.tokenizer),
-                       ("data.train_path", recipe.data.train_path), ("data.val_path", recipe.data.val_path),
-                       ("sft.data_path", recipe.sft.data_path)):
-        if value and not Path(value).exists():
-            raise ConfigError(f"{key}: not found: {value}")
+    for section, fields in PATHS.items():
+        for field in fields:
+            value = getattr(getattr(recipe, section), field)
+            if value and not Path(value).exists():
+                raise ConfigError(f"{section}.{field}: not found: {value}")

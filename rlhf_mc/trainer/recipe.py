@@ -312,10 +312,8 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     """The recipe at `path` with `overrides`, checked; its paths resolved (resolve_path) and the derived defaults
     filled in (seq-mean-token-sum-norm's divisor: data.max_response_length)."""
     recipe = from_dict(Recipe, apply_overrides(load_yaml(path), list(overrides)))
-    changes: dict[str, dict] = {}
-    for section, fields in PATHS.items():
-        values = {f: str(resolve_path(v)) for f in fields if (v := getattr(getattr(recipe, section), f))}
-        changes[section] = values
+    changes = {section: {f: str(resolve_path(v)) for f in fields if (v := getattr(getattr(recipe, section), f))}
+               for section, fields in PATHS.items()}
     loss = recipe.actor.loss
     if loss.aggregation == "seq-mean-token-sum-norm" and not loss.norm_length:
         changes["actor"] = {"loss": dataclasses.replace(loss, norm_length=recipe.data.max_response_length)}

@@ -76,7 +76,8 @@ class RolloutManager:
         penalty on the sampled tokens, with their stats."""
         scores, stats = [0.0] * len(samples), {}
         if self.scorer is not None:
-            scores, stats = self.scorer.score([s.text for s in samples], [prompts[s.prompt_index].answer for s in samples],
+            scores, stats = self.scorer.score([s.text for s in samples],
+                                              [prompts[s.prompt_index].answer for s in samples],
                                               [prompts[s.prompt_index].text for s in samples])
         if self.reward_model is not None:
             learned = self.reward_model.score([s.tokens for s in samples])

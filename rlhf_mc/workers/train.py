@@ -47,7 +47,7 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     masks = batch.rows(batch.loss_mask)
-    lengths = [int(m.sum()) for m in masks]
+    lengths = batch.sampled_tokens().tolist()
     totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
     weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]), norm_length)
