@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import re
 import types
 import typing
@@ -156,7 +157,7 @@ class RopeScaling:
 class ModelConfig:
     """Architecture of a decoder-only model. Field names follow the published HF configs where they exist."""
 
-    family: Literal["llama", "qwen2", "qwen3", "mistral"]
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
     hidden_size: int
     num_layers: int
     num_attention_heads: int
@@ -173,6 +174,13 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # Mixture of experts (every layer's MLP routed; HF: num_experts / num_local_experts, num_experts_per_tok,
+    # moe_intermediate_size, norm_topk_prob): softmax over the experts' logits, the top moe_topk kept, renormalized
+    # over those when moe_norm_topk_prob. 0 experts: a dense model.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
     name: str = ""
 
     def __post_init__(self):
@@ -180,6 +188,16 @@ class ModelConfig:
                      "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if (self.family == "qwen3_moe") != (self.num_experts > 0):
+            raise ConfigError(f"num_experts: {self.num_experts} with family={self.family} (qwen3_moe models have "
+                              "experts, the others none)")
+        if self.num_experts:
+            if not 1 <= self.moe_topk <= self.num_experts:
+                raise ConfigError(f"moe_topk: must lie in [1, num_experts={self.num_experts}], got {self.moe_topk}")
+            check_at_least(self, 1, "moe_ffn_hidden_size")
+        elif (self.moe_topk, self.moe_ffn_hidden_size, self.moe_norm_topk_prob) != (0, 0, False):
+            raise ConfigError("moe_topk, moe_ffn_hidden_size, moe_norm_topk_prob: set for a dense model "
+                              "(num_experts=0)")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(f"num_kv_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads={self.num_attention_heads}")
@@ -204,7 +222,7 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1  # model chunks per pipeline rank (virtual pipeline); 1 = no interleaving
     cp: int = 1
-    ep: int = 1
+    ep: int = 1  # expert parallel (expert tensor parallel is 1: each expert whole on one rank)
 
     def __post_init__(self):
         check_at_least(self, 1, "tp", "pp", "vpp", "cp", "ep")
@@ -215,25 +233,58 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
+    @property
+    def min_world_size(self) -> int:
+        """The fewest ranks that hold one copy of the model: tp*pp*cp, times the data-parallel ranks that EP needs
+        beyond tp*cp (EP splits a stage's ranks)."""
+        return self.model_parallel_size * (self.ep // math.gcd(self.ep, self.tp * self.cp))
+
     def dp(self, world_size: int) -> int:
         if world_size % self.model_parallel_size:
             raise ConfigError(f"parallel: world size {world_size} is not divisible by tp*pp*cp = "
                               f"{self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}")
         dp = world_size // self.model_parallel_size
-        if dp % self.ep:
-            raise ConfigError(f"ep: {self.ep} does not divide the data-parallel size {dp}")
+        # Megatron's expert layout: each pipeline stage's tp*cp*dp ranks split into ep groups (expert data
+        # parallel = the rest), as its attention layout splits them into tp*cp*dp.
+        if (self.tp * self.cp * dp) % self.ep:
+            raise ConfigError(f"ep: {self.ep} does not divide tp*cp*dp = {self.tp}*{self.cp}*{dp} (the ranks of a "
+                              "pipeline stage)")
         return dp
 
     def check_model(self, model: ModelConfig) -> None:
         """Divisibility rules between a layout and an architecture, checked before any process starts."""
+        # Experts are not split over TP (expert tensor parallel 1): only the dense MLP's width must divide.
         for field, value in (("num_attention_heads", model.num_attention_heads),
-                             ("num_kv_heads", model.num_kv_heads), ("ffn_hidden_size", model.ffn_hidden_size)):
+                             ("num_kv_heads", model.num_kv_heads),
+                             *((("ffn_hidden_size", model.ffn_hidden_size),) if not model.num_experts else ())):
             if value % self.tp:
                 raise ConfigError(f"tp: {self.tp} does not divide model.{field}={value}")
+        if self.ep > 1 and not model.num_experts:
+            raise ConfigError(f"ep: {self.ep} needs a mixture-of-experts model; {model.name or model.family} is dense")
+        if model.num_experts % self.ep:
+            raise ConfigError(f"ep: {self.ep} does not divide model.num_experts={model.num_experts}")
         stages = self.pp * self.vpp
         if model.num_layers % stages:
             raise ConfigError(f"pp: pp*vpp = {self.pp}*{self.vpp} = {stages} does not divide "
                               f"model.num_layers={model.num_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterLossConfig:
+    """The router's training losses of a mixture-of-experts model (Megatron's moe_router_load_balancing_type,
+    moe_aux_loss_coeff, moe_z_loss_coeff; recipe: actor.router). A loss with coefficient 0 is not computed (and not
+    logged); the logged values are the losses before their coefficient, averaged over the MoE layers."""
+
+    load_balancing: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        check_at_least(self, 0, "aux_loss_coef", "z_loss_coef")
+
+    @property
+    def enabled(self) -> bool:
+        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
 
 
 @dataclasses.dataclass(frozen=True)

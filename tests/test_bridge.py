@@ -1,7 +1,7 @@
 """HF <-> Megatron bridge against transformers, for a random tiny model of every supported family.
 
 - Megatron logits after load_hf_weights equal transformers' (fp32, 1e-4) at TP in {1,2} x PP in {1,2}, and the
-  streaming export at that layout gives back every HF tensor bitwise.
+  streaming export at that layout gives back every HF tensor bitwise; for Qwen3-MoE also at EP=2 with TP and PP.
 - The CLI: hf -> mcore (TP=2 x PP=2) -> hf (loaded at TP=1) is bitwise equal; tools/score.py equals transformers'
   log-probs; bad input is a one-line error with exit code 2.
 """
@@ -37,6 +37,8 @@ def _write_hf_model(family: str, out: Path) -> None:
         "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**common)),  # qkv bias
         "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**common, tie_word_embeddings=True)),  # q/k norm, tied
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=None)),
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(  # 4 experts, top-2 renormalized
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     }[family]()
     torch.manual_seed(1)
     with torch.no_grad():  # far from init (norms at 1, biases at 0) so that any layout mistake shows
@@ -46,7 +48,7 @@ def _write_hf_model(family: str, out: Path) -> None:
     (out / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,8 @@ def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
         model = model_config_from_hf(read_hf_config(path))
         chunks = build_model(model, parallel)
         load_hf_weights(chunks, path, model)
+        for chunk in chunks:
+            chunk.eval()
         batch = {"tokens": TOKENS, "position_ids": torch.arange(TOKENS.size(1)).expand_as(TOKENS)}
 
         def gather(mb, logits):
@@ -103,7 +107,17 @@ def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_megatron_equals_transformers(hf_models, tp, pp):
-    results = spawn(_megatron, tp * pp, {f: str(p) for f, p in hf_models.items()}, ParallelConfig(tp=tp, pp=pp))
+    _check_megatron(hf_models, ParallelConfig(tp=tp, pp=pp))
+
+
+@pytest.mark.parametrize("tp, ep, pp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+def test_expert_parallel_equals_transformers(hf_models, tp, ep, pp):
+    """Each EP rank loads only its experts (and exports gather them); ep=2 alone runs on 2 data-parallel ranks."""
+    _check_megatron({"qwen3_moe": hf_models["qwen3_moe"]}, ParallelConfig(tp=tp, pp=pp, ep=ep))
+
+
+def _check_megatron(hf_models: dict[str, Path], parallel: ParallelConfig) -> None:
+    results = spawn(_megatron, parallel.min_world_size, {f: str(p) for f, p in hf_models.items()}, parallel)
     for family, path in hf_models.items():
         expected = _hf_logits(path)
         logits = [r[family]["logits"] for r in results if r[family]["logits"] is not None]
@@ -155,6 +169,25 @@ def test_convert_roundtrip_is_bitwise_and_score_matches_transformers(hf_models, 
     expected = torch.log_softmax(_hf_logits(hf), -1)[:, :-1].gather(-1, TOKENS[:, 1:, None])[..., 0]
     assert len(got) == 3 and len(got[2]) == 1
     assert (torch.tensor(got[:2]) - expected).abs().max().item() < 1e-4
+
+
+def test_convert_roundtrip_at_expert_parallel_is_bitwise(hf_models, tmp_path):
+    """Qwen3-MoE: HF -> Megatron at TP=2 x EP=2 (each rank saves its experts) -> HF at TP=1 x EP=1."""
+    hf = hf_models["qwen3_moe"]
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    convert = str(ROOT / "tools" / "convert_checkpoint.py")
+    result = _cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--tp", "2", "--ep", "2", "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((mcore / "rlhf_mc.json").read_text())["saved_with"]["ep"] == 2
+    result = _cli(convert, "mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    original, converted = HFCheckpoint(hf), HFCheckpoint(back)
+    assert converted.names() == original.names()
+    assert any(".mlp.experts.3.down_proj." in name for name in original.names())
+    for name in original.names():
+        assert torch.equal(original.read(name), converted.read(name)), name
+    line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "x"), "--ep", "3"))
+    assert "ep: 3 does not divide model.num_experts=4" in line
 
 
 def test_conversion_errors_are_one_line(hf_models, tmp_path):

@@ -22,7 +22,12 @@ def _error(fn, *args, **kwargs) -> str:
 @pytest.mark.parametrize("change, expected", [
     ({"hidden_size": "64"}, "hidden_size: expected int, got str '64'"),
     ({"num_layers": True}, "num_layers: expected int, got True"),
-    ({"family": "gpt2"}, "family: 'gpt2' is not one of ['llama', 'qwen2', 'qwen3', 'mistral']"),
+    ({"family": "gpt2"}, "family: 'gpt2' is not one of ['llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe']"),
+    ({"num_experts": 4}, "num_experts: 4 with family=llama (qwen3_moe models have experts, the others none)"),
+    ({"family": "qwen3_moe", "num_experts": 4, "moe_topk": 5, "moe_ffn_hidden_size": 32},
+     "moe_topk: must lie in [1, num_experts=4], got 5"),
+    ({"family": "qwen3_moe", "num_experts": 4, "moe_topk": 2}, "moe_ffn_hidden_size: must be >= 1, got 0"),
+    ({"moe_topk": 2}, "moe_topk, moe_ffn_hidden_size, moe_norm_topk_prob: set for a dense model"),
     ({"num_kv_heads": 3}, "num_kv_heads: 3 does not divide num_attention_heads=4"),
     ({"vocab_size": 0}, "vocab_size: must be positive, got 0"),
     ({"hiden_size": 64}, "hiden_size: unknown key"),
@@ -61,19 +66,31 @@ def test_int_is_accepted_for_float_and_yaml_name_defaults_to_stem(tmp_path):
     (dict(tp=2, cp=2), 6, "world size 6 is not divisible by tp*pp*cp = 2*1*2 = 4"),
     (dict(vpp=2), 2, "vpp: 2 needs pp > 1"),
     (dict(tp=0), 1, "tp: must be >= 1, got 0"),
+    (dict(ep=2), 2, "ep: 2 needs a mixture-of-experts model; llama is dense"),
+    (dict(ep=3, _moe=True), 3, "ep: 3 does not divide model.num_experts=4"),
+    (dict(ep=4, pp=2, _moe=True), 4, "ep: 4 does not divide tp*cp*dp = 1*1*2 (the ranks of a pipeline stage)"),
 ])
 def test_parallel_layout_errors(parallel, world, expected):
+    model = ModelConfig(**(MOE if parallel.pop("_moe", False) else TINY))
+
     def check():
         layout = ParallelConfig(**parallel)
-        layout.check_model(ModelConfig(**TINY))
+        layout.check_model(model)
         layout.dp(world)
 
     assert expected in _error(check)
 
 
+MOE = {**TINY, "family": "qwen3_moe", "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 32}
+
+
 def test_dp_is_derived():
     assert ParallelConfig(tp=2).dp(6) == 3
     assert ParallelConfig(tp=2, pp=2, cp=2).dp(16) == 2
+    # EP splits a stage's tp*cp*dp ranks: ep=2 fits inside tp=2, ep=2 alone needs two data-parallel ranks
+    assert ParallelConfig(tp=2, ep=2).min_world_size == 2 and ParallelConfig(ep=2, pp=2).min_world_size == 4
+    assert ParallelConfig(tp=2, ep=4).min_world_size == 4 and ParallelConfig(tp=2, ep=4).dp(4) == 2
+    ParallelConfig(tp=2, ep=2).check_model(ModelConfig(**{**MOE, "ffn_hidden_size": 127}))  # experts are whole
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -18,6 +18,7 @@ PUBLISHED = {
     "qwen3-0.6b": 0.596,
     "qwen3-8b": 8.191,
     "mistral-7b": 7.248,
+    "qwen3-30b-a3b": 30.532,
 }
 
 
@@ -30,6 +31,8 @@ def parameter_count(m: ModelConfig) -> int:
     if m.qk_norm:
         attention += 2 * m.head_dim
     mlp = 3 * m.hidden_size * m.ffn_hidden_size
+    if m.num_experts:  # routed experts and the router
+        mlp = m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size + m.num_experts * m.hidden_size
     layer = attention + mlp + 2 * m.hidden_size
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
     return m.num_layers * layer + embeddings + m.hidden_size
@@ -45,6 +48,6 @@ def test_every_config_loads_and_tiny_models_cover_each_family():
     configs = [ModelConfig.from_yaml(p) for p in sorted(CONFIGS.glob("*.yaml"))]
     assert {c.name for c in configs} >= set(PUBLISHED)
     tiny = {c.family: c for c in configs if c.name.startswith("tiny-")}
-    assert set(tiny) == {"llama", "qwen2", "qwen3", "mistral"}
+    assert set(tiny) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
     assert tiny["qwen2"].qkv_bias and tiny["qwen3"].qk_norm and tiny["qwen3"].tie_embeddings
     assert all(c.num_kv_heads < c.num_attention_heads for c in tiny.values())  # GQA

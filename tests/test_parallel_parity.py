@@ -18,7 +18,8 @@ from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
 from rlhf_mc.runtime.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {name: ModelConfig.from_yaml(ROOT / "model_configs" / f"{name}.yaml") for name in ("tiny-llama", "tiny-qwen3")}
+MODELS = {name: ModelConfig.from_yaml(ROOT / "model_configs" / f"{name}.yaml")
+          for name in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")}
 MODEL = MODELS["tiny-llama"]
 # Adam's first update is lr * g / (|g| + eps): with the usual tiny eps it is lr * sign(g), and rounding-level
 # gradient differences flip near-zero entries by up to lr. eps = lr keeps the update's sensitivity to g at most 1.
@@ -189,6 +190,18 @@ def test_tied_embeddings_across_pipeline_stages(tmp_path):
     (ref,) = spawn(_worker, 1, ParallelConfig(), False, False, str(tmp_path), True, "tiny-qwen3")
     results = spawn(_worker, 4, ParallelConfig(tp=2, pp=2), False, False, str(tmp_path), False, "tiny-qwen3")
     _check("tied_tp2_pp2", results, ref, distributed_optimizer=False)
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_expert_parallel_matches_single_process(tmp_path, distributed_optimizer):
+    """Qwen3-MoE at EP=2 (two data-parallel ranks, each holding 2 of the 4 experts; the all-to-all dispatcher sends
+    tokens to the rank of their experts) against one process holding all four: logits, gradients (expert
+    gradients are reduced over the expert-data-parallel group, here of size 1) and one Adam step. Router losses off:
+    the load-balancing loss of a data-parallel share is not that of the whole batch."""
+    (ref,) = spawn(_worker, 1, ParallelConfig(), False, False, str(tmp_path), True, "tiny-qwen3-moe")
+    results = spawn(_worker, 2, ParallelConfig(ep=2), True, distributed_optimizer, str(tmp_path), False,
+                    "tiny-qwen3-moe")
+    _check("ep2", results, ref, distributed_optimizer)
 
 
 def _check(name: str, results: list[dict], ref: dict, distributed_optimizer: bool) -> None:

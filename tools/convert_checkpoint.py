@@ -1,12 +1,12 @@
 """Convert checkpoints between Hugging Face (safetensors) and Megatron distributed (torch_dist) format.
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR --tp N --pp N [--vpp N] [--dtype bfloat16]
-                                                   [--model-config model_configs/X.yaml]
-    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N]
+    python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR --tp N --pp N [--vpp N] [--ep N]
+                                                   [--dtype bfloat16] [--model-config model_configs/X.yaml]
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--tp N --pp N --ep N]
 
-A Megatron checkpoint saved at one TP/PP/VPP loads at any other (training, tools/score.py, mcore-to-hf). The TP x PP
-ranks take a GPU each where the machine has enough, else they all run on the CPU (gloo): --device cpu|cuda forces
-one; cuda with too few GPUs is refused.
+A Megatron checkpoint saved at one TP/PP/VPP/EP loads at any other (training, tools/score.py, mcore-to-hf). The
+ranks (tp*pp, times the data-parallel ranks EP needs beyond tp) take a GPU each where the machine has enough, else
+they all run on the CPU (gloo): --device cpu|cuda forces one; cuda with too few GPUs is refused.
 Errors (missing file, unsupported architecture, config mismatch, existing output) are one line on stderr, exit 2.
 """
 
@@ -38,13 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=1)
+        p.add_argument("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models)")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
         p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                        help="auto: a GPU per rank when there are enough, else the CPU")
     args = parser.parse_args(argv)
     try:
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp)
-        spawn_device(parallel.model_parallel_size, args.device)  # refuses cuda without a GPU per rank, up front
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+        spawn_device(parallel.min_world_size, args.device)  # refuses cuda without a GPU per rank, up front
         if args.command == "hf-to-mcore":
             out = hf_to_mcore(args.hf, args.out, parallel, args.dtype, args.model_config, progress=not args.quiet,
                               device=args.device)

@@ -72,13 +72,13 @@ def load_weights(chunks, ckpt: str | Path, model: ModelConfig, progress: bool = 
 
 def hf_to_mcore(hf_dir: str | Path, out: str | Path, parallel: ParallelConfig, dtype: str = "float32",
                 model_config: str | Path | None = None, progress: bool = True, device: str = "auto") -> Path:
-    """`device`: where the TP x PP ranks run (runtime.spawn: GPUs when there is one per rank, else the CPU)."""
+    """`device`: where the ranks of the layout run (runtime.spawn: GPUs when there is one per rank, else the CPU)."""
     hf_dir, out = Path(hf_dir), Path(out)
     _check_new_output(out)
     model = model_config_for_hf(hf_dir, model_config)
     parallel.check_model(model)
     HFCheckpoint(hf_dir)  # opens every shard: a missing file fails here
-    spawn(_hf_to_mcore_worker, parallel.model_parallel_size, str(hf_dir), str(out), model, parallel, dtype, progress,
+    spawn(_hf_to_mcore_worker, parallel.min_world_size, str(hf_dir), str(out), model, parallel, dtype, progress,
           device=device)
     return out
 
@@ -114,7 +114,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, parallel: ParallelConfig | No
     _check_new_output(out)
     model, _ = read_metadata(ckpt)
     parallel.check_model(model)
-    spawn(_mcore_to_hf_worker, parallel.model_parallel_size, str(ckpt), str(out), parallel, progress,
+    spawn(_mcore_to_hf_worker, parallel.min_world_size, str(ckpt), str(out), parallel, progress,
           max_shard_bytes, device=device)
     return out
 

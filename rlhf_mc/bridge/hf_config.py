@@ -13,19 +13,21 @@ from pathlib import Path
 
 from rlhf_mc.config import ConfigError, ModelConfig, RopeScaling
 
-# HF architecture -> our family. All four share the Llama weight layout; the differences are config switches.
+# HF architecture -> our family. All share the Llama weight layout; the differences are config switches (and
+# Qwen3-MoE's routed experts in place of the MLP).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     # Reward models: the same decoder with a scalar head ("score.weight") instead of the vocabulary projection.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "MistralForSequenceClassification": "mistral",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3_moe": "qwen3_moe"}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -67,6 +69,7 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         raise ConfigError("mlp_bias: true is not supported")
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
+    moe = _moe(hf) if family == "qwen3_moe" else {}
     return ModelConfig(
         family=family,
         hidden_size=hf["hidden_size"],
@@ -81,10 +84,23 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(hf.get("attention_bias", family == "qwen2")),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         name=name,
+        **moe,
     )
+
+
+def _moe(hf: dict) -> dict:
+    """Qwen3-MoE's expert fields (published configs say num_experts, transformers 5 writes num_local_experts).
+    Dense layers between the MoE ones are refused: every layer's MLP is routed in the Megatron model."""
+    if hf.get("mlp_only_layers"):
+        raise ConfigError(f"mlp_only_layers: {hf['mlp_only_layers']} is not supported (every layer an MoE layer)")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"decoder_sparse_step: {hf['decoder_sparse_step']} is not supported (1: every layer an MoE "
+                          "layer)")
+    return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")))
 
 
 def check_matches(model: ModelConfig, hf: dict) -> None:
@@ -124,8 +140,12 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": model.tie_embeddings,
         "dtype": dtype,
     }
-    if model.family in ("llama", "qwen3"):
+    if model.family in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = model.qkv_bias
+    if model.num_experts:
+        config.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
+                      moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
+                      decoder_sparse_step=1, mlp_only_layers=[])
     if model.family == "mistral":
         config["sliding_window"] = None
     return config

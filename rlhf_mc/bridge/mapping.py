@@ -1,4 +1,5 @@
-"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral) and Megatron-Core's GPTModel.
+"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE) and Megatron-Core's
+GPTModel.
 
 One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP shards it, and its layout:
 - "plain": one HF tensor; TP splits dim `tp_dim` (None: replicated).
@@ -6,6 +7,10 @@ One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP
            rank r holds groups [r*G/tp, (r+1)*G/tp). HF keeps q_proj, k_proj, v_proj apart.
 - "gate_up": Megatron's SwiGLU fc1 on TP rank r is [gate_r; up_r]; gathering TP shards is an un-interleave, not a
            concat.
+Experts (expert tensor parallel 1: never split over TP) are named here by their global index e, whichever EP rank
+holds them: `decoder.layers.L.mlp.experts.local_experts.e.linear_fc{1,2}.weight` (bridge/weights.py renames the local
+names of Megatron's SequentialMLP and TE's grouped MLP to it); fc1 is [gate_e; up_e], fc2 is down_e, the router is
+HF's `mlp.gate`.
 Shards are read from / assembled to HF tensors here; nothing else in the package knows these layouts.
 """
 
@@ -51,7 +56,9 @@ _LAYER_RULES = {
         (("post_attention_layernorm.weight",), "plain", None),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "plain", 1),
+    "mlp.router.weight": (("mlp.gate.weight",), "plain", None),
 }
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc(1|2)\.weight$")
 _LAYER_RULES = {name: rule for names, rule in _LAYER_RULES.items() for name in names.split("|")}
 
 
@@ -70,7 +77,20 @@ def rule_for(megatron_name: str, model: ModelConfig) -> Rule:
         layer, suffix = match.groups()
         hf_suffixes, layout, tp_dim = _LAYER_RULES[suffix]
         return Rule(megatron_name, tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), layout, tp_dim)
+    expert = _EXPERT.match(match.group(2)) if match else None
+    if expert:
+        prefix = f"model.layers.{match.group(1)}.mlp.experts.{expert.group(1)}"
+        if expert.group(2) == "1":
+            return Rule(megatron_name, (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"), "gate_up", None)
+        return Rule(megatron_name, (f"{prefix}.down_proj.weight",), "plain", None)
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name}")
+
+
+def expert_index(megatron_name: str) -> int | None:
+    """The global expert index of an expert's parameter (global name), None for every other parameter."""
+    match = _LAYER.match(megatron_name)
+    expert = _EXPERT.match(match.group(2)) if match else None
+    return int(expert.group(1)) if expert else None
 
 
 def is_exported(rule: Rule, model: ModelConfig) -> bool:
@@ -86,13 +106,15 @@ def _qkv_sizes(model: ModelConfig) -> tuple[int, int]:
 def read_shard(rule: Rule, reader: Reader, model: ModelConfig, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter, reading only the HF slices it needs."""
     read = reader.read
+    if rule.tp_dim is None:  # replicated over TP: every rank reads the whole parameter
+        tp_rank, tp_size = 0, 1
     if rule.layout == "plain":
         if rule.tp_dim is None:
             return read(rule.hf_names[0])
         step = reader.shape(rule.hf_names[0])[rule.tp_dim] // tp_size
         return read(rule.hf_names[0], rule.tp_dim, tp_rank * step, (tp_rank + 1) * step)
     if rule.layout == "gate_up":
-        step = model.ffn_hidden_size // tp_size
+        step = reader.shape(rule.hf_names[0])[0] // tp_size
         return torch.cat([read(name, 0, tp_rank * step, (tp_rank + 1) * step) for name in rule.hf_names])
     q_rows, kv_rows = _qkv_sizes(model)
     groups = model.num_kv_heads // tp_size

@@ -1,8 +1,9 @@
 """Moving weights between an HF checkpoint and this rank's Megatron model chunks.
 
 load_hf_weights: each rank reads only the slices of its own shards.
-ExportPlan + export_hf_weights: full HF tensors streamed from a sharded model, bucket by bucket (broadcast from the
-owning pipeline stage, gathered over TP, converted to HF layout). The plan is computed once per model and holds no
+ExportPlan + export_hf_weights: full HF tensors streamed from a sharded model, bucket by bucket (an expert broadcast
+from the EP rank that holds it, then every tensor broadcast from the owning pipeline stage, gathered over TP,
+converted to HF layout). The plan is computed once per model and holds no
 tensors, so nothing in it can go stale between exports.
 """
 
@@ -17,11 +18,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf_mc.bridge.hf_config import check_matches, read_hf_config
-from rlhf_mc.bridge.mapping import Rule, is_exported, read_shard, rule_for, to_hf
+from rlhf_mc.bridge.mapping import Rule, expert_index, is_exported, read_shard, rule_for, to_hf
 from rlhf_mc.bridge.safetensors_io import HFCheckpoint
 from rlhf_mc.config import ModelConfig
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# A local expert's parameter: Megatron's SequentialMLP (local spec) and TE's grouped MLP name them differently.
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc(\d)\.weight|linear_fc(\d)\.weight(\d+))$")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -31,14 +34,26 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter]]:
-    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters."""
+    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters. Global names number
+    layers over the pipeline and experts over EP (bridge/mapping.py)."""
+    from megatron.core import parallel_state as ps
+
     for index, chunk in enumerate(chunks):
         gpt = _unwrap(chunk)
+        experts = gpt.config.num_moe_experts
+        first_expert = ps.get_expert_model_parallel_rank() * experts // ps.get_expert_model_parallel_world_size() \
+            if experts else 0
         for name, param in gpt.named_parameters():
             match = _LOCAL_LAYER.match(name)
             if match:  # local layer j -> global layer number (1-based in Megatron)
                 layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1
-                name_global = f"decoder.layers.{layer}.{name[match.end():]}"
+                suffix = name[match.end():]
+                expert = _LOCAL_EXPERT.match(suffix)
+                if expert:  # local expert j -> global expert
+                    j, fc = (expert.group(1), expert.group(2)) if expert.group(1) else (expert.group(4),
+                                                                                       expert.group(3))
+                    suffix = f"mlp.experts.local_experts.{first_expert + int(j)}.linear_fc{fc}.weight"
+                name_global = f"decoder.layers.{layer}.{suffix}"
             else:
                 name_global = name
             yield index, name, name_global, param
@@ -73,6 +88,7 @@ def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False,
 class PlanEntry:
     rule: Rule
     pp_rank: int  # owning pipeline stage
+    ep_rank: int | None  # an expert's: the EP rank that holds it (None: every EP rank holds the parameter)
     chunk: int  # virtual stage index on the owner
     local_name: str
     shape: tuple[int, ...]  # full (TP-gathered) Megatron shape
@@ -98,7 +114,7 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
     `bucket_bytes` (a larger tensor gets a bucket of its own). Collective over the pipeline group."""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp, ep_rank = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     local = []
     for chunk, local_name, name, param in local_parameters(chunks):
         rule = rule_for(name, model)
@@ -106,11 +122,16 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
             shape = list(param.shape)
             if rule.tp_dim is not None:
                 shape[rule.tp_dim] *= tp
-            local.append((rule, chunk, local_name, tuple(shape), param.dtype))
+            owner = ep_rank if expert_index(name) is not None else None
+            local.append((rule, owner, chunk, local_name, tuple(shape), param.dtype))
+    per_ep_rank = [None] * ps.get_expert_model_parallel_world_size()
+    dist.all_gather_object(per_ep_rank, local, group=ps.get_expert_model_parallel_group())
+    # The stage's parameters once: the shared ones from EP rank 0, each EP rank's own experts
+    stage = [item for rank, items in enumerate(per_ep_rank) for item in items if item[1] == rank or rank == 0]
     per_stage = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(per_stage, local, group=ps.get_pipeline_model_parallel_group())
-    entries = tuple(PlanEntry(rule, pp_rank, chunk, local_name, shape, dtype)
-                    for pp_rank, items in enumerate(per_stage) for rule, chunk, local_name, shape, dtype in items)
+    dist.all_gather_object(per_stage, stage, group=ps.get_pipeline_model_parallel_group())
+    entries = tuple(PlanEntry(rule, pp_rank, owner, chunk, local_name, shape, dtype)
+                    for pp_rank, items in enumerate(per_stage) for rule, owner, chunk, local_name, shape, dtype in items)
     buckets, current, size = [], [], 0
     for i, entry in enumerate(entries):
         if current and size + entry.nbytes > bucket_bytes:
@@ -131,13 +152,21 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
 
     pp_rank, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    ep_rank, ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
     params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
     device = next(iter(params.values())).device
     for bucket in plan.buckets:
         out = []
         for entry in (plan.entries[i] for i in bucket):
             tp_dim = entry.rule.tp_dim
-            if entry.pp_rank == pp_rank:
+            if entry.pp_rank == pp_rank and entry.ep_rank is not None:  # an expert: whole on one EP rank
+                if entry.ep_rank == ep_rank:
+                    full = params[(entry.chunk, entry.local_name)].detach()
+                else:
+                    full = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+                if dist.get_world_size(ep_group) > 1:
+                    dist.broadcast(full, src=dist.get_global_rank(ep_group, entry.ep_rank), group=ep_group)
+            elif entry.pp_rank == pp_rank:
                 local = params[(entry.chunk, entry.local_name)].detach()
                 if tp_dim is not None and tp > 1:
                     shards = [torch.empty_like(local) for _ in range(tp)]

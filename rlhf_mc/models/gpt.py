@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from rlhf_mc.config import ModelConfig, ParallelConfig
+from rlhf_mc.config import ModelConfig, ParallelConfig, RouterLossConfig
 
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "full", "selective"]
@@ -48,13 +48,42 @@ def te_available() -> bool:
     return layer_impl()[0]
 
 
+def moe_fields(model: ModelConfig, router: RouterLossConfig, use_te: bool) -> dict:
+    """TransformerConfig's mixture-of-experts fields (none for a dense model).
+
+    HF's Qwen3-MoE router: softmax over all experts, top-k, renormalized over the k when norm_topk_prob. Megatron's
+    top-k-then-softmax (moe_router_pre_softmax=False) is that renormalization; pre-softmax without scaling is the
+    unnormalized one. Routing in fp32 (bf16 router logits flip near-tied experts). Experts whole on each rank
+    (expert tensor parallel 1); TE's grouped GEMM on GPU, Megatron's per-expert MLPs otherwise (the fused
+    permute/router kernels are CUDA-only)."""
+    if not model.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        expert_tensor_parallel_size=1,
+        moe_grouped_gemm=use_te,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        moe_router_load_balancing_type=router.load_balancing if router.aux_loss_coef else "none",
+        moe_aux_loss_coeff=router.aux_loss_coef,
+        moe_z_loss_coeff=router.z_loss_coef or None,
+    )
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
-                       recompute: Recompute = "none", init_weights: bool = True, use_te: bool = False):
+                       recompute: Recompute = "none", init_weights: bool = True, use_te: bool = False,
+                       router: RouterLossConfig = RouterLossConfig()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
     params_dtype = getattr(torch, dtype)
     return TransformerConfig(
+        **moe_fields(model, router, use_te),
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -105,11 +134,14 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
 def layer_spec(model: ModelConfig, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = model.num_experts or None
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=model.qk_norm)
     from rlhf_mc.models.attention import LocalCoreAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                    qk_layernorm=model.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
     submodules = dataclasses.replace(attention.submodules, core_attention=LocalCoreAttention)
     return dataclasses.replace(spec, submodules=dataclasses.replace(
@@ -118,12 +150,13 @@ def layer_spec(model: ModelConfig, use_te: bool):
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
                 recompute: Recompute = "none", use_te: bool | None = None, init_weights: bool = True,
-                value_head: bool = False) -> list[torch.nn.Module]:
+                value_head: bool = False, router: RouterLossConfig = RouterLossConfig()) -> list[torch.nn.Module]:
     """The GPTModel chunks this rank owns (one per virtual pipeline stage), on the current device.
 
     bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). `init_weights=False` leaves the weights
     uninitialized, for a checkpoint to fill (faster, and no full-size init buffers). `value_head=True` replaces the
-    vocabulary projection by a scalar head (critic, reward model): the model outputs [b, s, 1].
+    vocabulary projection by a scalar head (critic, reward model): the model outputs [b, s, 1]. `router`: the
+    router's training losses (mixture-of-experts models).
     Needs init_parallel() first.
     """
     from megatron.core import parallel_state
@@ -132,7 +165,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
 
     parallel.check_model(model)
     use_te = te_available() if use_te is None else use_te
-    config = transformer_config(model, parallel, dtype, recompute, init_weights, use_te)
+    config = transformer_config(model, parallel, dtype, recompute, init_weights, use_te, router)
     spec = layer_spec(model, use_te)
     chunks = []
     for vp_stage in range(parallel.vpp):

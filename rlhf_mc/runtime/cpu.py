@@ -48,6 +48,9 @@ class _NoOpStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event=None) -> "_NoOpStream":
+        return self  # an event on CPU: synchronize() has nothing to wait for
+
 
 class _CpuDeviceTorch(types.ModuleType):
     """`torch` as seen by one Megatron module: tensor factories asked for device "cuda" get the CPU, and
@@ -91,7 +94,10 @@ class _CpuDeviceTorch(types.ModuleType):
 # the distributed optimizer (shard buffers), the mixed-precision optimizer (found_inf / scale), RoPE (inv_freq), and
 # distributed-checkpoint saving (a device-to-host synchronize, a validation flag all-reduced across ranks), and the
 # grad-norm fallback used without apex/TE (megatron/core/utils.py: local_multi_tensor_l2_norm). In 0.19 the grad
-# buffer also asks for CUDA streams (param_and_grad_buffer.py start_grad_sync).
+# buffer also asks for CUDA streams (param_and_grad_buffer.py start_grad_sync). Mixture of experts: the router moves
+# its weight to torch.cuda.current_device() in every forward (router.py gating), the tensor-parallel mappings give
+# the experts' token gathers outputs there (mappings.py _gather_along_first_dim and friends), and the all-to-all
+# token dispatcher makes a CUDA stream for its device-to-host copies (token_dispatcher.py cuda_dtoh_stream).
 _CUDA_DEVICE_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
@@ -103,6 +109,9 @@ _CUDA_DEVICE_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 
 
@@ -198,12 +207,31 @@ def _rope_cp_slice() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
+def _moe_split_sizes_on_host() -> None:
+    """megatron/core/transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher.preprocess): the all-to-all's
+    split sizes go to the host through moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only
+    CUDA tensors; a CPU tensor comes back as a tensor, and its .tolist()-free use as split sizes then fails in
+    all_to_all. On CPU the same conversion: the numpy array of the tensor. Patched where token_dispatcher imported
+    it."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 SHIMS = {
     "rng_tracker": _rng_tracker,
     "cuda_device_factories": _cuda_device_factories,
     "optimizer_param_type_checks": _optimizer_param_type_checks,
     "rope_cp_slice": _rope_cp_slice,
     "tied_embedding_sync": _tied_embedding_sync,
+    "moe_split_sizes_on_host": _moe_split_sizes_on_host,
 }
 _applied: set[str] = set()
 

@@ -53,6 +53,7 @@ def init_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=1,  # experts whole on each rank (Megatron's default splits them over TP)
     )
     set_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -103,7 +103,8 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     sft, data = recipe.sft, recipe.data
     examples = load_sft(sft.data_path, tokenizer, data.prompt_key, sft.response_key,
                         data.chat_template, data.max_prompt_length + data.max_response_length)
-    group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
+    group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
+                                 router=recipe.actor.router)
     if recipe.model.path:
         group.load_hf(recipe.model.path)
     group.setup_optimizer(sft.optim)
@@ -177,14 +178,15 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         if recipe.sft.only:
             return logger.last
         addresses = cluster.start_engines(str(init_hf), run_dir / "logs")
-        actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute)
+        actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
+                                     router=recipe.actor.router)
         reference = actor
         if recipe.uses_reference and recipe.ref.placement == "separate":
             reference = cluster.worker_group("ref", model, recipe.ref.parallel)
         critic = None
         if recipe.uses_critic:
             critic = cluster.worker_group("critic", model, recipe.critic.parallel, value_head=True,
-                                          recompute=recipe.critic.recompute)
+                                          recompute=recipe.critic.recompute, router=recipe.critic.router)
         offloaded = [group for group, on in ((critic, recipe.critic.offload), (reference, recipe.ref.offload))
                      if group is not None and group is not actor and on]
         schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated)

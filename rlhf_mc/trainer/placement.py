@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig
+from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig, RouterLossConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
 from rlhf_mc.trainer.plan import Plan
@@ -77,7 +77,8 @@ class WorkerGroup:
     """The ranks of one Megatron model (actor, critic, reference or reward model)."""
 
     def __init__(self, name: str, pg, bundles: list[int], model: ModelConfig, parallel: ParallelConfig, dtype: str,
-                 seed: int, gpu: bool, recompute: str = "none", value_head: bool = False):
+                 seed: int, gpu: bool, recompute: str = "none", value_head: bool = False,
+                 router: RouterLossConfig = RouterLossConfig()):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -93,7 +94,7 @@ class WorkerGroup:
         world = len(bundles)
         self.workers = [remote(name=f"{name}-rank{rank}", num_cpus=share, num_gpus=share if gpu else 0,
                                scheduling_strategy=strategy(b)).remote(
-            rank, world, model, parallel, dtype, seed, recompute, value_head)
+            rank, world, model, parallel, dtype, seed, recompute, value_head, router)
             for rank, b in enumerate(bundles)]
         master = ray.get(self.workers[0].store_address.remote())
         self.layout: list[RankLayout] = [RankLayout(**x) for x in self._call("start", master)]
@@ -334,9 +335,9 @@ class Cluster:
         return dict(enumerate(self.slot_nodes))
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
-                     recompute: str = "none") -> WorkerGroup:
+                     recompute: str = "none", router: RouterLossConfig = RouterLossConfig()) -> WorkerGroup:
         return WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
-                           self.recipe.trainer.seed, self.gpu, recompute, value_head)
+                           self.recipe.trainer.seed, self.gpu, recompute, value_head, router)
 
     def start_engines(self, model_path: str, log_dir: Path) -> list[str]:
         """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses); returns

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rlhf_mc.config import ConfigError, ModelConfig, import_by_path
+from rlhf_mc.config import ConfigError, ModelConfig, RouterLossConfig, import_by_path
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -106,9 +106,13 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     actor_world = critic_world = train_devices
     for role, section in (("actor", recipe.actor), *((("critic", recipe.critic),) if recipe.uses_critic else ())):
         _in_section(f"{role}.parallel.", section.parallel.check_model, model)
-        if section.parallel.ep > 1:
-            raise ConfigError(f"{role}.parallel.ep: {section.parallel.ep} needs a mixture-of-experts model; "
+        if section.router != RouterLossConfig() and not model.num_experts:
+            raise ConfigError(f"{role}.router: the router losses are read only for mixture-of-experts models; "
                               f"{model.name or model.family} is dense")
+        if model.num_experts and section.parallel.tp > 1 and device == "cpu":
+            raise ConfigError(f"{role}.parallel.tp: {section.parallel.tp} with a mixture-of-experts model: Megatron "
+                              "trains MoE with TP only with sequence parallelism, whose norms need Transformer Engine "
+                              "(GPU); on CPU use tp=1 (and ep to split the experts)")
     ref_world = train_devices if separate_ref else 0
     if separate_ref:
         _in_section("ref.parallel.", recipe.ref.parallel.check_model, model)

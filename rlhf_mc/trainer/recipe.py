@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_mc.algorithms.core import KLEstimator
 from rlhf_mc.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig, RolloutConfig,
-                            check_at_least, from_dict, load_yaml)
+                            RouterLossConfig, check_at_least, from_dict, load_yaml)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +97,7 @@ class TrainSection:
     offload: bool = False
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)  # actor only
     value_clip: float = 0.2  # critic only
+    router: RouterLossConfig = dataclasses.field(default_factory=RouterLossConfig)  # mixture-of-experts models only
 
     def __post_init__(self):
         check_at_least(self, 1, "ppo_epochs", "micro_batch_tokens")

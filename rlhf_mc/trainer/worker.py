@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, RouterLossConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime import console, host
 
@@ -34,10 +34,10 @@ class ModelWorker:
     ahead and bound later can be: any outgoing connection may get it as its local port)."""
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
-                 recompute: str = "none", value_head: bool = False):
+                 recompute: str = "none", value_head: bool = False, router: RouterLossConfig = RouterLossConfig()):
         console.quiet_framework_warnings()
         self.rank, self.world, self.model = rank, world, model
-        self._build = (parallel, dtype, seed, recompute, value_head)
+        self._build = (parallel, dtype, seed, recompute, value_head, router)
         self._store = None
         if rank == 0:
             self._store = torch.distributed.TCPStore(node_ip(), 0, world, is_master=True, wait_for_workers=False,
@@ -61,7 +61,7 @@ class ModelWorker:
         from rlhf_mc.models.gpt import build_model
         from rlhf_mc.runtime import init_distributed, init_parallel
 
-        parallel, dtype, seed, recompute, value_head = self._build
+        parallel, dtype, seed, recompute, value_head, router = self._build
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0", MASTER_ADDR=master[0],
                           MASTER_PORT=str(master[1]))
         if not torch.cuda.is_available():
@@ -71,7 +71,8 @@ class ModelWorker:
                                                      timeout=datetime.timedelta(minutes=30))
         init_distributed(store=self._store)
         init_parallel(parallel, seed=seed)
-        self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head)
+        self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head,
+                                  router=router)
         return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
                 "reports": self._reports()}
 

@@ -85,7 +85,38 @@ def _run(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
                            forward_only=False)
     step = state.step()
     # Each CP rank holds part of every sequence's tokens: metrics add up over data- and context-parallel ranks.
-    return {**_reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True)), **step}
+    metrics = _reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True))
+    if state.model[0].config.num_moe_experts:
+        metrics.update(_router_losses(len(microbatches), state.model[0].config.num_layers))
+    return {**metrics, **step}
+
+
+def _router_losses(num_microbatches: int, num_layers: int) -> dict:
+    """The router losses Megatron's routers recorded in this step's forward passes (per layer, summed over
+    micro-batches, before their coefficient): means over micro-batches and layers, averaged over data-parallel
+    ranks, as "router/<name>"; then cleared for the next step. Only the losses switched on are recorded."""
+    from megatron.core import parallel_state as ps
+
+    try:  # Megatron-Core >= 0.17
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker()
+        values, clear = {name: entry.values for name, entry in tracker.metrics.items()}, tracker.clear
+    except ImportError:
+        from megatron.core.transformer.moe import moe_utils
+
+        values = {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+        clear = moe_utils.clear_aux_losses_tracker
+    if not values:
+        return {}
+    names = sorted(values)
+    totals = torch.stack([values[name].sum() for name in names]).double().cpu()
+    # Each stage recorded its own layers; the TP ranks of a stage recorded the same values.
+    dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    totals /= num_microbatches * num_layers * ps.get_data_parallel_world_size()
+    clear()
+    return {f"router/{name}": value for name, value in zip(names, totals.tolist())}
 
 
 def _scaled(loss_and_report, scale):
