@@ -44,7 +44,10 @@ CASES = {
     "rope_cp_slice": (2, ParallelConfig(cp=2), "embeddings/rope_utils.py", "in get_pos_emb_on_this_cp_rank", NO_GPU),
     "tied_embedding_sync": (2, ParallelConfig(pp=2), "language_module/language_module.py",
                             "in setup_embeddings_and_output_layer", NO_GPU),
+    "moe_split_sizes_on_host": (2, ParallelConfig(ep=2), "tensor_parallel/mappings.py", "in forward",
+                                "TypeError: all_to_all_single(): incompatible function arguments"),
 }
+MODELS = {"moe_split_sizes_on_host": "tiny-qwen3-moe"}  # the others: tiny-qwen3 (tied embeddings)
 
 
 def test_every_shim_has_a_case():
@@ -55,12 +58,12 @@ def test_every_shim_has_a_case():
 def test_job_fails_without_shim(shim):
     world, parallel, megatron_file, function, error = CASES[shim]
     with pytest.raises(RuntimeError) as failure:
-        spawn(_train_step, world, parallel, "tiny-qwen3", skip_cpu_shims=(shim,))  # tied embeddings
+        spawn(_train_step, world, parallel, MODELS.get(shim, "tiny-qwen3"), skip_cpu_shims=(shim,))
     frames = re.findall(r'File "[^"]*/megatron/core/([^"]+)", line \d+, (in \w+)', str(failure.value))
     assert frames, "no Megatron frame in the traceback"
     failing_file, failing_function = frames[-1]
     assert failing_file.endswith(megatron_file) and failing_function == function, frames[-1]
-    assert error in str(failure.value).strip().splitlines()[-1]
+    assert error in str(failure.value).rsplit('File "', 1)[-1]  # the exception, after the traceback's last frame
 
 
 def test_unknown_shim_name_is_an_error():

@@ -1,7 +1,7 @@
-"""Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, after optimizer steps that change
-the weights of every pipeline stage: each time, each engine's log-probs equal the actor's (1e-4, fp32) and its
-samples carry the new version; at the end its greedy output equals transformers' on the actor's exported weights.
-Ten more syncs show no memory growth.
+"""Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, and from an EP=2 x PP=2 Qwen3-MoE
+actor (each rank holding half the experts), after optimizer steps that change the weights of every pipeline stage:
+each time, each engine's log-probs equal the actor's (1e-4, fp32) and its samples carry the new version; at the end
+its greedy output equals transformers' on the actor's exported weights. Ten more syncs show no memory growth.
 
 Colocated ("tensor"): each engine TP rank's payload must come from the trainer rank assigned to its device. On CPU
 a payload names the shared-memory file it refers to, and torch names those files after the process that made them
@@ -43,7 +43,8 @@ def payload_producer(serialized: str) -> int:
     return pids.pop()
 
 
-def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str) -> dict | None:
+def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str,
+           parallel: ParallelConfig) -> dict | None:
     """`engines`: (address, the trainer ranks on its devices) each."""
     import psutil
 
@@ -70,7 +71,6 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
         return load(self, engine, payloads)
 
     SGLangEngine.load_tensor_payloads = recording
-    parallel = ParallelConfig(tp=2, pp=2)
     init_parallel(parallel, seed=3)
     model = model_config_from_hf(read_hf_config(model_dir))
     chunks = build_model(model, parallel, init_weights=False)
@@ -127,7 +127,8 @@ def engine_tp2(tiny_hf_model, tmp_path_factory):
     engine.shutdown()
 
 
-def _run(engines, transport, tiny_hf_model, tmp_path) -> list[dict]:
+def _run(engines, transport, tiny_hf_model, tmp_path, parallel: ParallelConfig = ParallelConfig(tp=2, pp=2)
+         ) -> list[dict]:
     """Runs the actor against `engines` [(engine, its trainer ranks)]; checks every engine against the actor after
     every sync and against transformers at the end; returns every rank's result."""
     import shutil
@@ -138,7 +139,7 @@ def _run(engines, transport, tiny_hf_model, tmp_path) -> list[dict]:
     export_dir.mkdir()
     placed = [(engine.urls[0].removeprefix("http://"), ranks) for engine, ranks in engines]
     try:
-        results = spawn(_actor, 4, str(tiny_hf_model), placed, transport, str(export_dir))
+        results = spawn(_actor, 4, str(tiny_hf_model), placed, transport, str(export_dir), parallel)
         first = results[0]
         for step in first["steps"]:
             for per_engine, actor in zip(step["engines"], step["actor"]):
@@ -231,6 +232,22 @@ def test_a_dead_engine_fails_its_sync_and_is_synced_after_its_restart(sglang_eng
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
     _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
+
+
+def test_sync_from_an_expert_parallel_actor(tmp_path):
+    """Qwen3-MoE (4 experts, top-2) at EP=2 x PP=2: every expert reaches the engine (broadcast from the EP rank that
+    holds it) under its HF name, SGLang's own MoE layer serving it on CPU."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+    from tests.test_bridge import _write_hf_model
+
+    model_dir = tmp_path / "moe"
+    _write_hf_model("qwen3_moe", model_dir)
+    engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="float32"), log_dir=tmp_path / "logs")
+    try:
+        _run([(engine, [0])], "tensor", model_dir, tmp_path, ParallelConfig(ep=2, pp=2))
+    finally:
+        engine.shutdown()
 
 
 def test_colocated_engines_are_fed_by_the_ranks_on_their_devices(sglang_engine, engine_tp2, tiny_hf_model,

@@ -210,9 +210,9 @@ def _rope_cp_slice() -> None:
 def _moe_split_sizes_on_host() -> None:
     """megatron/core/transformer/moe/token_dispatcher.py (MoEAlltoAllTokenDispatcher.preprocess): the all-to-all's
     split sizes go to the host through moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only
-    CUDA tensors; a CPU tensor comes back as a tensor, and its .tolist()-free use as split sizes then fails in
-    all_to_all. On CPU the same conversion: the numpy array of the tensor. Patched where token_dispatcher imported
-    it."""
+    CUDA tensors: a CPU tensor comes back as a tensor, and torch.distributed.all_to_all_single refuses tensors as
+    split sizes (TypeError: incompatible function arguments, in tensor_parallel/mappings.py _AllToAll.forward). On
+    CPU the same conversion: the numpy array of the tensor. Patched where token_dispatcher imported it."""
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     original = moe_utils.maybe_move_tensor_to_cpu
