@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,9 +111,10 @@ def test_megatron_equals_transformers(hf_models, tp, pp):
     _check_megatron(hf_models, ParallelConfig(tp=tp, pp=pp))
 
 
-@pytest.mark.parametrize("tp, ep, pp", [(1, 2, 1), (2, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("tp, ep, pp", [(2, 2, 1), (1, 2, 2)])
 def test_expert_parallel_equals_transformers(hf_models, tp, ep, pp):
-    """Each EP rank loads only its experts (and exports gather them); ep=2 alone runs on 2 data-parallel ranks."""
+    """Each EP rank loads only its experts (and exports gather them); at pp=2 ep=2 takes two data-parallel ranks a
+    stage."""
     _check_megatron({"qwen3_moe": hf_models["qwen3_moe"]}, ParallelConfig(tp=tp, pp=pp, ep=ep))
 
 
@@ -142,14 +144,15 @@ def _error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_convert_roundtrip_is_bitwise_and_score_matches_transformers(hf_models, tmp_path):
-    hf = hf_models["qwen3"]
+def _roundtrip(hf: Path, tmp_path: Path, *layout: str) -> Path:
+    """hf -> mcore at `layout` (CLI flags) -> hf loaded at TP=1 (and EP=1): every tensor bitwise, the config and
+    tokenizer files passed through; returns the Megatron checkpoint."""
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     convert = str(ROOT / "tools" / "convert_checkpoint.py")
-    result = _cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--tp", "2", "--pp", "2", "--quiet")
+    result = _cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(mcore), *layout, "--quiet")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (tmp_path / "mcore.tmp").exists()
-    result = _cli(convert, "mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--quiet")  # loads at TP=1
+    result = _cli(convert, "mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--quiet")
     assert result.returncode == 0, result.stderr[-3000:]
     original, converted = HFCheckpoint(hf), HFCheckpoint(back)
     assert converted.names() == original.names()
@@ -158,6 +161,12 @@ def test_convert_roundtrip_is_bitwise_and_score_matches_transformers(hf_models, 
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert json.loads((back / "config.json").read_text()) == read_hf_config(hf)
     assert (back / "tokenizer_config.json").read_text() == (hf / "tokenizer_config.json").read_text()
+    return mcore
+
+
+def test_convert_roundtrip_is_bitwise_and_score_matches_transformers(hf_models, tmp_path):
+    hf = hf_models["qwen3"]
+    mcore = _roundtrip(hf, tmp_path, "--tp", "2", "--pp", "2")
 
     sequences = tmp_path / "seqs.jsonl"
     sequences.write_text("".join(json.dumps(seq) + "\n" for seq in TOKENS.tolist()) + '{"tokens": [5, 9]}\n')
@@ -174,18 +183,10 @@ def test_convert_roundtrip_is_bitwise_and_score_matches_transformers(hf_models, 
 def test_convert_roundtrip_at_expert_parallel_is_bitwise(hf_models, tmp_path):
     """Qwen3-MoE: HF -> Megatron at TP=2 x EP=2 (each rank saves its experts) -> HF at TP=1 x EP=1."""
     hf = hf_models["qwen3_moe"]
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    convert = str(ROOT / "tools" / "convert_checkpoint.py")
-    result = _cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--tp", "2", "--ep", "2", "--quiet")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert any(".mlp.experts.3.down_proj." in name for name in HFCheckpoint(hf).names())
+    mcore = _roundtrip(hf, tmp_path, "--tp", "2", "--ep", "2")
     assert json.loads((mcore / "rlhf_mc.json").read_text())["saved_with"]["ep"] == 2
-    result = _cli(convert, "mcore-to-hf", "--ckpt", str(mcore), "--out", str(back), "--quiet")
-    assert result.returncode == 0, result.stderr[-3000:]
-    original, converted = HFCheckpoint(hf), HFCheckpoint(back)
-    assert converted.names() == original.names()
-    assert any(".mlp.experts.3.down_proj." in name for name in original.names())
-    for name in original.names():
-        assert torch.equal(original.read(name), converted.read(name)), name
+    convert = str(ROOT / "tools" / "convert_checkpoint.py")
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "x"), "--ep", "3"))
     assert "ep: 3 does not divide model.num_experts=4" in line
 
@@ -218,3 +219,20 @@ def test_conversion_errors_are_one_line(hf_models, tmp_path):
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "e"), "--tp", "3"))
     assert "tp: 3 does not divide model.num_attention_heads=4" in line
     assert not any(p.name in "abcde" for p in tmp_path.iterdir())
+
+
+def test_moe_config_translation(hf_models):
+    """Qwen3-MoE config.json -> ModelConfig and back; published configs say num_experts, transformers 5 writes
+    num_local_experts; dense layers between MoE ones are refused, naming the field."""
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+    from rlhf_mc.config import ConfigError
+
+    hf = read_hf_config(hf_models["qwen3_moe"])
+    model = model_config_from_hf(hf)
+    assert (model.family, model.num_experts, model.moe_topk, model.moe_ffn_hidden_size, model.moe_norm_topk_prob,
+            model.qk_norm) == ("qwen3_moe", 4, 2, 32, True, True)
+    published = {k: v for k, v in hf.items() if k != "num_local_experts"} | {"num_experts": 4}
+    assert model_config_from_hf(published) == model == model_config_from_hf(hf_config_from_model(model))
+    for field, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
+        with pytest.raises(ConfigError, match=re.escape(f"{field}: {value} is not supported")):
+            model_config_from_hf({**hf, field: value})

@@ -158,6 +158,16 @@ BAD = [
     (["rollout.function=tests.nothing:here"], "rollout.function: cannot import 'tests.nothing:here'"),
     (["algorithm.dynamic_sampling_max_rounds=2", "rollout.n=2", "algorithm.group_filter=json"],
      "algorithm.group_filter: 'json' is not 'package.module:function'"),
+    # mixture of experts
+    (["actor.parallel.ep=2", "resources.devices_per_node=2"],
+     "actor.parallel.ep: 2 needs a mixture-of-experts model; tiny-arith is dense"),
+    (["actor.router.aux_loss_coef=0.01"], "actor.router: the router losses are read only for mixture-of-experts"),
+    (["actor.router.z_loss_coef=-1"], "actor.router.z_loss_coef: must be >= 0, got -1"),
+    (["model.config=model_configs/tiny-arith-moe.yaml", "actor.parallel.tp=2", "resources.devices_per_node=2"],
+     "actor.parallel.tp: 2 with a mixture-of-experts model: Megatron trains MoE with TP only with sequence "
+     "parallelism"),
+    (["model.config=model_configs/tiny-arith-moe.yaml", "actor.parallel.ep=3", "resources.devices_per_node=3",
+      "rollout.n=3"], "actor.parallel.ep: 3 does not divide model.num_experts=4"),
 ]
 
 

@@ -323,3 +323,24 @@ def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path)
     assert proc.wait(timeout=900) != 0
     assert ("algorithm.dynamic_sampling_max_rounds: after 2 rounds only 0 of data.train_batch_size=8 prompts had "
             "groups the group filter kept (16 groups dropped)") in tied.with_suffix(".log").read_text()
+
+
+def test_moe_recipe_trains_with_expert_parallelism(tmp_path):
+    """recipes/grpo_moe_cpu.yaml for two steps: a Qwen3-MoE actor at EP=2 (two Megatron ranks, two experts each),
+    its load-balancing loss logged, SGLang serving the model; after each sync the engine's log-probs of its own
+    samples equal the actor's, and the final export is an HF Qwen3-MoE checkpoint that transformers loads whole."""
+    import transformers as T
+
+    out = tmp_path / "moe"
+    _finish(_start(out, ["recipes/grpo_moe_cpu.yaml", "sft.steps=5", "trainer.total_steps=2",
+                         "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8", "data.val_path=",
+                         "trainer.loggers=[jsonl]"]), out)
+    steps = _metrics(out)
+    assert sorted(steps) == [1, 2]
+    for metrics in steps.values():
+        assert metrics["actor/grad_norm"] > 0 and metrics["sync/failed_engines"] == 0
+        assert 0.5 < metrics["actor/router/load_balancing_loss"] < 2  # 1 when the experts share tokens evenly
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records if "rollout/logprob_diff" in r)
+    model, info = T.AutoModelForCausalLM.from_pretrained(out / "final_hf", output_loading_info=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and not any(info.values()), info
