@@ -270,21 +270,21 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterLossConfig:
-    """The router's training losses of a mixture-of-experts model (Megatron's moe_router_load_balancing_type,
-    moe_aux_loss_coeff, moe_z_loss_coeff; recipe: actor.router). A loss with coefficient 0 is not computed (and not
-    logged); the logged values are the losses before their coefficient, averaged over the MoE layers."""
+class RouterConfig:
+    """The router of a mixture-of-experts model in training (recipe: actor.router).
+
+    Losses (Megatron's moe_router_load_balancing_type, moe_aux_loss_coeff, moe_z_loss_coeff): a loss with
+    coefficient 0 is not computed (and not logged); the logged values are the losses before their coefficient,
+    averaged over the MoE layers. `replay`: rollout routing replay (models/routing.py): the actor's forward passes
+    route every token to the experts the rollout engine chose; off, the agreement of the two is logged."""
 
     load_balancing: Literal["aux_loss", "seq_aux_loss"] = "aux_loss"  # over the micro-batch, or per sequence
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    replay: bool = False
 
     def __post_init__(self):
         check_at_least(self, 0, "aux_loss_coef", "z_loss_coef")
-
-    @property
-    def enabled(self) -> bool:
-        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +383,9 @@ class RolloutConfig:
     max_total_tokens: int | None = None  # KV cache tokens; on CPU defaults to 65536 (SGLang's default reserves GBs)
     mem_fraction_static: float | None = None
     deterministic: bool = False  # --enable-deterministic-inference: honours per-sample seeds (GPU backends only)
+    # mixture-of-experts models: each sample comes with the experts the server routed its tokens to
+    # (--enable-return-routed-experts); the trainer sets it for MoE models
+    return_routed_experts: bool = False
     max_concurrency: int = 64  # requests in flight through our client, over all engines
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0

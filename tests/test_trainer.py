@@ -325,16 +325,18 @@ def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path)
             "groups the group filter kept (16 groups dropped)") in tied.with_suffix(".log").read_text()
 
 
-def test_moe_recipe_trains_with_expert_parallelism(tmp_path):
+def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
     """recipes/grpo_moe_cpu.yaml for two steps: a Qwen3-MoE actor at EP=2 (two Megatron ranks, two experts each),
-    its load-balancing loss logged, SGLang serving the model; after each sync the engine's log-probs of its own
-    samples equal the actor's, and the final export is an HF Qwen3-MoE checkpoint that transformers loads whole."""
+    its load-balancing loss logged, SGLang serving the model and returning the experts it routed each token to,
+    which the actor's forward passes replay (two mini-batches: the old log-probs too); after each sync the engine's
+    log-probs of its own samples equal the actor's (with the routing misaligned by a token they would not), and the
+    final export is an HF Qwen3-MoE checkpoint that transformers loads whole."""
     import transformers as T
 
     out = tmp_path / "moe"
     _finish(_start(out, ["recipes/grpo_moe_cpu.yaml", "sft.steps=5", "trainer.total_steps=2",
-                         "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8", "data.val_path=",
-                         "trainer.loggers=[jsonl]"]), out)
+                         "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "data.val_path=",
+                         "actor.router.replay=true", "trainer.loggers=[jsonl]"]), out)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     for metrics in steps.values():

@@ -7,6 +7,9 @@ loss trains on; prompt and inserted tokens are 0, so nothing downstream needs to
 aligned with the tokens: its value at token t is about token t (its log-prob given the tokens before it, the value
 of the state before it, its advantage); a sequence's first token, which nothing predicts, holds 0.
 
+A mixture-of-experts model's rollouts also carry `routed_experts` [T, layers * top-k]: the experts the engine routed
+each token to (models/routing.py; -1 for tokens it never ran).
+
 Flat tensors, not lists of rows: a data-parallel share or a mini-batch is one `select`, and it travels through Ray's
 object store as a few tensors rather than thousands of small ones.
 """
@@ -32,6 +35,7 @@ class Sample:
     versions: list[int]  # the weight version that sampled each token, NOT_SAMPLED elsewhere
     finish_reason: str  # rollout/base.FinishReason
     text: str  # what the reward function reads: the response, decoded
+    routed_experts: torch.Tensor | None = None  # [len(tokens), layers * top-k] int16, -1: not run by the engine
 
 
 @dataclasses.dataclass
@@ -44,11 +48,13 @@ class Trajectories:
     groups: torch.Tensor  # [N] int64: the samples of one prompt share a group
     fields: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # each [T] float32
     finish_reasons: list[str] = dataclasses.field(default_factory=list)  # per sample, rollout/base.FinishReason
+    routed_experts: torch.Tensor | None = None  # [T, layers * top-k] int16 (mixture-of-experts rollouts)
 
     def __post_init__(self):
         total, n = int(self.lengths.sum()), len(self.lengths)
         sizes = {"tokens": len(self.tokens), "loss_mask": len(self.loss_mask), "versions": len(self.versions),
-                 **{k: len(v) for k, v in self.fields.items()}}
+                 **{k: len(v) for k, v in self.fields.items()},
+                 **({"routed_experts": len(self.routed_experts)} if self.routed_experts is not None else {})}
         wrong = {k: v for k, v in sizes.items() if v != total}
         per_sample = {"scores": len(self.scores), "groups": len(self.groups),
                       **({"finish_reasons": len(self.finish_reasons)} if self.finish_reasons else {})}
@@ -76,11 +82,15 @@ class Trajectories:
 
     @staticmethod
     def from_samples(samples: Sequence[Sample], scores: Sequence[float]) -> "Trajectories":
-        """The batch of scored samples, grouped by prompt, with the engine's log-probs as "rollout_logprobs"."""
-        return Trajectories.from_rows([s.tokens for s in samples], [s.loss_mask for s in samples],
-                                      [s.versions for s in samples], scores, [s.prompt_index for s in samples],
-                                      {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]},
-                                      [s.finish_reason for s in samples])
+        """The batch of scored samples, grouped by prompt, with the engine's log-probs as "rollout_logprobs" (and
+        its routing, when the samples have it)."""
+        batch = Trajectories.from_rows([s.tokens for s in samples], [s.loss_mask for s in samples],
+                                       [s.versions for s in samples], scores, [s.prompt_index for s in samples],
+                                       {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]},
+                                       [s.finish_reason for s in samples])
+        if samples and samples[0].routed_experts is not None:
+            batch.routed_experts = torch.cat([s.routed_experts for s in samples])
+        return batch
 
     @staticmethod
     def single_turn(sequences: Sequence[Sequence[int]], response_starts: Sequence[int],
@@ -131,7 +141,8 @@ class Trajectories:
         tokens, samples = self.token_index(index), torch.tensor(index, dtype=torch.long)
         return Trajectories(self.tokens[tokens], self.lengths[samples], self.loss_mask[tokens], self.versions[tokens],
                             self.scores[samples], self.groups[samples], {k: v[tokens] for k, v in self.fields.items()},
-                            [self.finish_reasons[i] for i in index] if self.finish_reasons else [])
+                            [self.finish_reasons[i] for i in index] if self.finish_reasons else [],
+                            self.routed_experts[tokens] if self.routed_experts is not None else None)
 
     def with_fields(self, **fields: torch.Tensor) -> "Trajectories":
         return dataclasses.replace(self, fields={**self.fields, **fields})

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from rlhf_mc.config import ModelConfig, ParallelConfig, RouterLossConfig
+from rlhf_mc.config import ModelConfig, ParallelConfig, RouterConfig
 
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "full", "selective"]
@@ -48,14 +48,15 @@ def te_available() -> bool:
     return layer_impl()[0]
 
 
-def moe_fields(model: ModelConfig, router: RouterLossConfig, use_te: bool) -> dict:
+def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
     """TransformerConfig's mixture-of-experts fields (none for a dense model).
 
     HF's Qwen3-MoE router: softmax over all experts, top-k, renormalized over the k when norm_topk_prob. Megatron's
     top-k-then-softmax (moe_router_pre_softmax=False) is that renormalization; pre-softmax without scaling is the
     unnormalized one. Routing in fp32 (bf16 router logits flip near-tied experts). Experts whole on each rank
     (expert tensor parallel 1); TE's grouped GEMM on GPU, Megatron's per-expert MLPs otherwise (the fused
-    permute/router kernels are CUDA-only)."""
+    permute/router kernels are CUDA-only). Megatron's RouterReplay in every router: models/routing.py replays or
+    records the engine's routing through it (without an action set, routing is the router's own)."""
     if not model.num_experts:
         return {}
     return dict(
@@ -72,12 +73,13 @@ def moe_fields(model: ModelConfig, router: RouterLossConfig, use_te: bool) -> di
         moe_router_load_balancing_type=router.load_balancing if router.aux_loss_coef else "none",
         moe_aux_loss_coeff=router.aux_loss_coef,
         moe_z_loss_coeff=router.z_loss_coef or None,
+        moe_enable_routing_replay=True,
     )
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
                        recompute: Recompute = "none", init_weights: bool = True, use_te: bool = False,
-                       router: RouterLossConfig = RouterLossConfig()):
+                       router: RouterConfig = RouterConfig()):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
@@ -150,7 +152,7 @@ def layer_spec(model: ModelConfig, use_te: bool):
 
 def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
                 recompute: Recompute = "none", use_te: bool | None = None, init_weights: bool = True,
-                value_head: bool = False, router: RouterLossConfig = RouterLossConfig()) -> list[torch.nn.Module]:
+                value_head: bool = False, router: RouterConfig = RouterConfig()) -> list[torch.nn.Module]:
     """The GPTModel chunks this rank owns (one per virtual pipeline stage), on the current device.
 
     bf16 models are wrapped in Megatron's Float16Module (fp32 logits out). `init_weights=False` leaves the weights

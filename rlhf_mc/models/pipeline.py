@@ -2,7 +2,9 @@
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] (already split for this CP rank), optionally
 `labels` [b, s] (the model then returns per-token cross-entropy instead of logits) and `packed_seq_params`
-(THD input: b == 1, boundaries of the packed sequences in cu_seqlens). Everything else in the dict is for `loss_fn`.
+(THD input: b == 1, boundaries of the packed sequences in cu_seqlens) and, for a mixture-of-experts model, the
+rollout engine's `routed_experts` (models/routing.py: replayed or compared, as `routing` says). Everything else in the
+dict is for `loss_fn`.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from typing import Callable
 
 import torch
 
+from rlhf_mc.models.routing import Routing
+
 
 def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn: Callable, forward_only: bool,
-                 ) -> list:
+                 routing: Routing | None = None) -> list:
     """Runs every micro-batch; returns what `loss_fn` reported for each (on the last pipeline stage; [] elsewhere).
 
     `loss_fn(microbatch, output) -> (loss, report)`: output is the model's output for the micro-batch (logits
@@ -29,8 +33,13 @@ def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        routed = mb.get("routed_experts") if routing is not None else None
+        if routed is not None:
+            routing.before_forward(chunk, routed)
         output = chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"),
                        packed_seq_params=mb.get("packed_seq_params"))
+        if routed is not None:
+            routing.after_forward(chunk, routed)
         return output, lambda out: loss_fn(mb, out)
 
     return get_forward_backward_func()(

@@ -48,6 +48,10 @@ class RolloutSample:
     finish_reason: FinishReason
     weight_version: int  # version of the weights that generated it (-1: the engine's launch weights)
     engine: int = 0  # which engine served it
+    # mixture-of-experts models (RolloutConfig.return_routed_experts): [prompt + response tokens - 1, layers * top-k]
+    # int16, the experts each token was routed to in each layer, in the router's order; the last token was never
+    # run through the model
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

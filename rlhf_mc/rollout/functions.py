@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from rlhf_mc.data.dataset import Prompt
 from rlhf_mc.data.trajectory import NOT_SAMPLED, Sample
 from rlhf_mc.rollout.base import RolloutSample, SamplingParams
@@ -23,9 +25,12 @@ def single_turn(generate: Callable[[list[list[int]], SamplingParams], list[Rollo
     out = []
     for s in generate([p.ids for p in prompts], sampling):
         prompt, n = prompts[s.prompt_index].ids, len(s.response_ids)
+        routed = None
+        if s.routed_experts is not None:  # the engine never ran the last token
+            routed = torch.cat([s.routed_experts, s.routed_experts.new_full((1, s.routed_experts.size(1)), -1)])
         out.append(Sample(s.prompt_index, prompt + s.response_ids, [False] * len(prompt) + [True] * n,
                           [0.0] * len(prompt) + list(s.logprobs), [NOT_SAMPLED] * len(prompt) + [s.weight_version] * n,
-                          s.finish_reason, tokenizer.decode(s.response_ids, skip_special_tokens=True)))
+                          s.finish_reason, tokenizer.decode(s.response_ids, skip_special_tokens=True), routed))
     return out
 
 

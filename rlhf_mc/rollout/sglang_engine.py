@@ -20,6 +20,7 @@ sglang-router is not used (not installed here); balancing is least-requests-in-f
 from __future__ import annotations
 
 import atexit
+import base64
 import collections
 import datetime
 import json
@@ -32,6 +33,7 @@ from typing import Callable, Iterable
 
 import dataclasses
 
+import numpy as np
 import requests
 import torch
 
@@ -69,6 +71,17 @@ class TensorPayload:
 
     serialized: str
     tensor: torch.Tensor
+
+
+def _routed_experts(meta: dict, tokens: int, url: str) -> torch.Tensor:
+    """SGLang's meta_info["routed_experts"]: base64 of int32 [tokens, layers, top-k] (the prompt and the response
+    but the last token), as int16 [tokens, layers * top-k]."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise ConfigError(f"rollout.engine.addresses: {url} returned no routed experts; a mixture-of-experts model's "
+                          "servers need --enable-return-routed-experts")
+    ids = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    return torch.from_numpy(ids.astype(np.int16)).reshape(tokens, -1)
 
 
 def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> TensorPayload:
@@ -245,25 +258,31 @@ class SGLangEngine:
                 groups = [(i, {**params, "max_new_tokens": max_new, "sampling_seed": sampling.seed + i})
                           for i in range(sampling.n)]
             for first, sp in groups:
-                jobs.append((p, first, {"input_ids": prompt, "sampling_params": sp, "return_logprob": True},
-                             max_new < sampling.max_new_tokens))
+                request = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+                if self.cfg.return_routed_experts:
+                    request["return_routed_experts"] = True
+                jobs.append((p, first, request, max_new < sampling.max_new_tokens))
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(jobs)))) as pool:
             results = list(pool.map(lambda job: self._generate_request(job[2]), jobs))
-        for (p, first, _, capped), (engine, outputs) in zip(jobs, results):
+        for (p, first, request, capped), (engine, outputs) in zip(jobs, results):
             for offset, out in enumerate(outputs if isinstance(outputs, list) else [outputs]):
-                samples.append(self._sample(p, first + offset, engine, out, capped))
+                samples.append(self._sample(p, first + offset, engine, out, capped, len(request["input_ids"])))
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
 
-    def _sample(self, prompt: int, index: int, engine: int, out: dict, capped: bool) -> RolloutSample:
+    def _sample(self, prompt: int, index: int, engine: int, out: dict, capped: bool, prompt_length: int
+                ) -> RolloutSample:
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "abort"
         if reason == "length" and capped:  # stopped by the context limit, not by max_new_tokens
             reason = "context_length"
             self.stats["response_over_context"] += 1
         logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
+        routed = None
+        if self.cfg.return_routed_experts:
+            routed = _routed_experts(meta, prompt_length + len(out["output_ids"]) - 1, self.urls[engine])
         return RolloutSample(prompt, index, list(out["output_ids"]), logprobs, reason,
-                             _version(meta.get("weight_version")), engine)
+                             _version(meta.get("weight_version")), engine, routed)
 
     # ---------------------------------------------------------------- weights
 

@@ -83,6 +83,8 @@ class ServerProcess:
             cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
         if cfg.deterministic:
             cmd += ["--enable-deterministic-inference"]
+        if cfg.return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
         if cpu.on_cpu():
             cmd += cpu.server_args(cfg.max_total_tokens, cfg.mem_fraction_static)
         else:

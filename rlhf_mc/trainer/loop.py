@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from rlhf_mc.algorithms import core
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
+from rlhf_mc.config import RouterConfig
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.rewards.scoring import RewardScorer
@@ -177,12 +178,14 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                 group.shutdown()
         if recipe.sft.only:
             return logger.last
-        addresses = cluster.start_engines(str(init_hf), run_dir / "logs")
+        addresses = cluster.start_engines(str(init_hf), run_dir / "logs", routed_experts=bool(model.num_experts))
         actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
                                      router=recipe.actor.router)
         reference = actor
         if recipe.uses_reference and recipe.ref.placement == "separate":
-            reference = cluster.worker_group("ref", model, recipe.ref.parallel)
+            # routing replay as the actor's, in the reference's forward passes too
+            reference = cluster.worker_group("ref", model, recipe.ref.parallel,
+                                             router=RouterConfig(replay=recipe.actor.router.replay))
         critic = None
         if recipe.uses_critic:
             critic = cluster.worker_group("critic", model, recipe.critic.parallel, value_head=True,

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig, RouterLossConfig
+from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig, RouterConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
 from rlhf_mc.trainer.plan import Plan
@@ -78,7 +78,7 @@ class WorkerGroup:
 
     def __init__(self, name: str, pg, bundles: list[int], model: ModelConfig, parallel: ParallelConfig, dtype: str,
                  seed: int, gpu: bool, recompute: str = "none", value_head: bool = False,
-                 router: RouterLossConfig = RouterLossConfig()):
+                 router: RouterConfig = RouterConfig()):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -335,17 +335,19 @@ class Cluster:
         return dict(enumerate(self.slot_nodes))
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
-                     recompute: str = "none", router: RouterLossConfig = RouterLossConfig()) -> WorkerGroup:
+                     recompute: str = "none", router: RouterConfig = RouterConfig()) -> WorkerGroup:
         return WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
                            self.recipe.trainer.seed, self.gpu, recompute, value_head, router)
 
-    def start_engines(self, model_path: str, log_dir: Path) -> list[str]:
+    def start_engines(self, model_path: str, log_dir: Path, routed_experts: bool = False) -> list[str]:
         """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses); returns
-        their addresses. Servers listen on 127.0.0.1 unless the run spans nodes."""
+        their addresses. Servers listen on 127.0.0.1 unless the run spans nodes. `routed_experts`: samples come with
+        the experts their tokens were routed to (mixture-of-experts models)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path)
+        cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path,
+                                  return_routed_experts=routed_experts)
         remote = ray.remote(EngineWorker).options
         if cfg.addresses:
             self.engines = [remote(num_cpus=0, max_concurrency=8).remote(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from rlhf_mc.config import ConfigError, ModelConfig, RouterLossConfig, import_by_path
+from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -106,9 +106,13 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     actor_world = critic_world = train_devices
     for role, section in (("actor", recipe.actor), *((("critic", recipe.critic),) if recipe.uses_critic else ())):
         _in_section(f"{role}.parallel.", section.parallel.check_model, model)
-        if section.router != RouterLossConfig() and not model.num_experts:
+        if section.router != RouterConfig() and not model.num_experts:
             raise ConfigError(f"{role}.router: the router losses are read only for mixture-of-experts models; "
                               f"{model.name or model.family} is dense")
+        if section.router.replay and (role == "critic" or section.recompute != "none"):
+            raise ConfigError(f"{role}.router.replay: routing replay is the actor's, with recompute=none (a "
+                              f"recomputed forward would replay another micro-batch's routing); got {role} with "
+                              f"recompute={section.recompute}")
         if model.num_experts and section.parallel.tp > 1 and device == "cpu":
             raise ConfigError(f"{role}.parallel.tp: {section.parallel.tp} with a mixture-of-experts model: Megatron "
                               "trains MoE with TP only with sequence parallelism, whose norms need Transformer Engine "

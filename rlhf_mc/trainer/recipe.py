@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_mc.algorithms.core import KLEstimator
 from rlhf_mc.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig, RolloutConfig,
-                            RouterLossConfig, check_at_least, from_dict, load_yaml)
+                            RouterConfig, check_at_least, from_dict, load_yaml)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,6 +78,9 @@ class RolloutSection:
             raise ConfigError(f"top_k: must be -1 (the whole vocabulary) or >= 1, got {self.top_k}")
         if self.engine.model_path:
             raise ConfigError("engine.model_path: set by the trainer from the actor's weights; leave it out")
+        if self.engine.return_routed_experts:
+            raise ConfigError("engine.return_routed_experts: set by the trainer for mixture-of-experts models; "
+                              "leave it out")
         if self.engine.host != RolloutConfig.host:
             raise ConfigError(f"engine.host: {self.engine.host!r}: set by the trainer (127.0.0.1 on one node, each "
                               "node's IP when the run spans nodes); leave it out")
@@ -97,7 +100,7 @@ class TrainSection:
     offload: bool = False
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)  # actor only
     value_clip: float = 0.2  # critic only
-    router: RouterLossConfig = dataclasses.field(default_factory=RouterLossConfig)  # mixture-of-experts models only
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)  # mixture-of-experts models only
 
     def __post_init__(self):
         check_at_least(self, 1, "ppo_epochs", "micro_batch_tokens")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, RouterLossConfig
+from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, RouterConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime import console, host
 
@@ -34,10 +34,11 @@ class ModelWorker:
     ahead and bound later can be: any outgoing connection may get it as its local port)."""
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
-                 recompute: str = "none", value_head: bool = False, router: RouterLossConfig = RouterLossConfig()):
+                 recompute: str = "none", value_head: bool = False, router: RouterConfig = RouterConfig()):
         console.quiet_framework_warnings()
         self.rank, self.world, self.model = rank, world, model
         self._build = (parallel, dtype, seed, recompute, value_head, router)
+        self.replay_routing = router.replay  # the policy's forward passes replay the engine's routing (MoE)
         self._store = None
         if rank == 0:
             self._store = torch.distributed.TCPStore(node_ip(), 0, world, is_master=True, wait_for_workers=False,
@@ -157,9 +158,11 @@ class ModelWorker:
             out = compute_values(self.chunks, share, micro_batch_tokens)
         elif kind == "ref_logprobs":
             with self.reference.swapped_in(self.chunks):
-                out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens)
+                out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens,
+                                       self.replay_routing)
         else:
-            out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens)
+            out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens,
+                                   self.replay_routing)
         return out if self._reports() else None
 
     def _reports(self) -> bool:
@@ -178,7 +181,8 @@ class ModelWorker:
         for _ in range(epochs):
             for mb in mini_batches:
                 if kind == "actor":
-                    metrics = train_step(self.state, mb, loss_cfg, temperature, micro_batch_tokens)
+                    metrics = train_step(self.state, mb, loss_cfg, temperature, micro_batch_tokens,
+                                         self.replay_routing)
                 elif kind == "critic":
                     metrics = critic_train_step(self.state, mb, value_clip, loss_cfg.aggregation, micro_batch_tokens,
                                                 loss_cfg.norm_length)

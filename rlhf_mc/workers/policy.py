@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rlhf_mc.data.microbatch import micro_batches_by_tokens
 from rlhf_mc.data.packing import pack
 from rlhf_mc.data.trajectory import Trajectories
+from rlhf_mc.models.routing import Routing
 
 
 def pad_multiple(config) -> int:
@@ -27,11 +28,13 @@ def pad_multiple(config) -> int:
 
 
 def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, cp: int, cp_rank: int,
-                       interleaved_pp: int, device, multiple: int = 1) -> tuple[list[dict], list[list[int]]]:
+                       interleaved_pp: int, device, multiple: int = 1, routed: list[torch.Tensor] | None = None
+                       ) -> tuple[list[dict], list[list[int]]]:
     """Packed micro-batches (this CP rank's part) and the sequence indices in each. For the interleaved (virtual)
     pipeline schedule over `interleaved_pp` stages (0: not interleaved), every pack is padded to the longest one by
     a trailing dummy sequence, and packs of padding only are added until their number is a multiple of the stages
-    (both the schedule's requirements)."""
+    (both the schedule's requirements). `routed`: per sequence, the engine's routing of its tokens
+    (models/routing.py), packed alongside as "routed_experts" (-1 on padding)."""
     from rlhf_mc.runtime.context_parallel import split_for_cp
 
     padded = [-(-len(s) // multiple) * multiple for s in sequences]
@@ -61,6 +64,13 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, c
             "packed_seq_params": _to(packed.packed_seq_params(), device),
             "packed": packed,
         })
+    if routed is not None:
+        for mb, group in zip(microbatches, groups):
+            cu = mb["packed"].cu_seqlens
+            rows = torch.full((cu[-1], routed[0].size(1)), -1, dtype=routed[0].dtype)
+            for i, start in zip(group, cu):
+                rows[start:start + len(routed[i])] = routed[i]
+            mb["routed_experts"] = split_for_cp(rows, cp, cp_rank, 0, cu).to(device)
     return microbatches, groups
 
 
@@ -73,11 +83,12 @@ def _to(params, device):
 
 
 @torch.no_grad()
-def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, micro_batch_tokens: int
-                      ) -> dict[str, torch.Tensor]:
+def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, micro_batch_tokens: int,
+                      replay_routing: bool = False) -> dict[str, torch.Tensor]:
     """Runs the model over packed micro-batches; `head(mb, output) -> {name: [local tokens]}` turns the model's
     output into per-token values (at position t: the value for token t + 1). Returns each value as a per-token
-    tensor of the batch (data/trajectory.py's alignment: 0 at each sequence's first token), on every rank."""
+    tensor of the batch (data/trajectory.py's alignment: 0 at each sequence's first token), on every rank.
+    `replay_routing`: the routers take the batch's routed_experts (models/routing.py)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.runtime.context_parallel import gather_from_cp
@@ -86,8 +97,10 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 0
+    replay = replay_routing and batch.routed_experts is not None
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
-                                              pad_multiple(chunks[0].config))
+                                              pad_multiple(chunks[0].config),
+                                              batch.rows(batch.routed_experts) if replay else None)
     cp_group = ps.get_context_parallel_group()
 
     def per_token(mb, output):
@@ -97,7 +110,8 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
 
     for chunk in chunks:
         chunk.eval()
-    reports = run_pipeline(chunks, microbatches, per_token, forward_only=True)
+    reports = run_pipeline(chunks, microbatches, per_token, forward_only=True,
+                           routing=Routing(replay=True) if replay else None)
     # The last pipeline stage computed the results; every stage gets them.
     payload = [reports]
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -113,7 +127,8 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
 
 
 def compute_log_prob(chunks: list[torch.nn.Module], batch: Trajectories, temperature: float = 1.0,
-                     with_entropy: bool = False, micro_batch_tokens: int = 8192) -> dict[str, torch.Tensor]:
+                     with_entropy: bool = False, micro_batch_tokens: int = 8192, replay_routing: bool = False
+                     ) -> dict[str, torch.Tensor]:
     """Per token of the batch, "logprobs" (and "entropy" of the distribution it was drawn from): log p(token_t |
     tokens_<t) with logits / temperature (rollout/base.py semantics)."""
     from megatron.core import parallel_state as ps
@@ -127,7 +142,7 @@ def compute_log_prob(chunks: list[torch.nn.Module], batch: Trajectories, tempera
                                                     with_entropy=with_entropy)
         return {"logprobs": logprobs, **({"entropy": entropy} if with_entropy else {})}
 
-    return forward_per_token(chunks, batch, head, micro_batch_tokens)
+    return forward_per_token(chunks, batch, head, micro_batch_tokens, replay_routing)
 
 
 def compute_values(chunks: list[torch.nn.Module], batch: Trajectories, micro_batch_tokens: int = 8192

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlhf_mc.algorithms import core
 from rlhf_mc.config import PolicyLossConfig
 from rlhf_mc.data.trajectory import Trajectories
+from rlhf_mc.models.routing import Routing
 from rlhf_mc.optim import TrainState
 
 
@@ -35,7 +36,7 @@ def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, tota
 
 
 def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tokens: int, config, interleaved: bool,
-                          norm_length: int = 1) -> list[dict]:
+                          norm_length: int = 1, with_routing: bool = False) -> list[dict]:
     """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field of the batch
     plus the aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits
     predict the tokens (position t carries the values of token t + 1), 0 outside the loss mask."""
@@ -55,8 +56,9 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
     rows = {k: [r * m for r, m in zip(batch.rows(v), masks)] for k, v in batch.fields.items()}
     rows["weight"] = [m.float() * w for m, w in zip(masks, weights)]
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
+    routed = batch.rows(batch.routed_experts) if with_routing else None
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp,
-                                              device(), pad_multiple(config))
+                                              device(), pad_multiple(config), routed)
     for mb, group in zip(microbatches, groups):
         cu = mb["packed"].cu_seqlens
         spans = [b - a for a, b in zip(cu[:-1], cu[1:])]  # padded sequences (the interleaved schedule's fillers too)
@@ -71,8 +73,9 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
     return microbatches
 
 
-def _run(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
-    """Forward/backward of every micro-batch and the optimizer step; metrics summed over DP x CP ranks."""
+def _run(state: TrainState, microbatches: list[dict], loss_fn, routing: Routing | None = None) -> dict:
+    """Forward/backward of every micro-batch and the optimizer step; metrics summed over DP x CP ranks. With
+    `routing` off replay, the engine/trainer routing agreement is among them."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.models.pipeline import run_pipeline
@@ -82,12 +85,14 @@ def _run(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
     for chunk in state.model:
         chunk.train()
     reports = run_pipeline(state.model, microbatches, lambda mb, out: _scaled(loss_fn(mb, out), scale),
-                           forward_only=False)
+                           forward_only=False, routing=routing)
     step = state.step()
     # Each CP rank holds part of every sequence's tokens: metrics add up over data- and context-parallel ranks.
     metrics = _reduce_reports(reports, ps.get_data_parallel_group(with_context_parallel=True))
     if state.model[0].config.num_moe_experts:
         metrics.update(_router_losses(len(microbatches), state.model[0].config.num_layers))
+    if routing is not None and not routing.replay:
+        metrics["router/engine_agreement"] = routing.agreement(state.model[0].config.sequence_parallel)
     return {**metrics, **step}
 
 
@@ -129,20 +134,25 @@ ON_POLICY_CONSTANTS = ("approx_kl", "clip_fraction", "dual_clip_fraction")
 
 
 def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, temperature: float = 1.0,
-               micro_batch_tokens: int = 8192) -> dict:
+               micro_batch_tokens: int = 8192, replay_routing: bool = False) -> dict:
     """Actor step on this rank's data-parallel share of a mini-batch, whose fields hold "advantages",
     "rollout_logprobs", "old_logprobs", and where used "ref_logprobs" (kl_loss_coef > 0).
 
     Without "old_logprobs" the step is on-policy (one optimizer step per batch): the old log-probs are this
     forward's own, detached, and the step reports what a separate old-log-prob pass would have given: the mean
     |old - rollout| log-prob difference, the mean token entropy and the k1 KL to the reference (and not the ratio's
-    statistics, constant there: ON_POLICY_CONSTANTS)."""
+    statistics, constant there: ON_POLICY_CONSTANTS).
+
+    A mixture-of-experts batch with the engine's routing: replayed (`replay_routing`), or compared with the
+    trainer's own ("router/engine_agreement"; under the rollout's weights in an on-policy step)."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
+    routing = Routing(replay=replay_routing) if batch.routed_experts is not None else None
     microbatches = _aligned_microbatches(batch, cfg.aggregation, micro_batch_tokens, config=state.model[0].config,
-                                         interleaved=len(state.model) > 1, norm_length=cfg.norm_length)
+                                         interleaved=len(state.model) > 1, norm_length=cfg.norm_length,
+                                         with_routing=routing is not None)
     tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
     on_policy = "old_logprobs" not in batch.fields
 
@@ -190,7 +200,7 @@ def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, te
             report["entropy"] = entropy_mean.detach()
         return loss, report
 
-    return _run(state, microbatches, loss_fn)
+    return _run(state, microbatches, loss_fn, routing)
 
 
 def critic_train_step(state: TrainState, batch: Trajectories, clip: float = 0.2,
