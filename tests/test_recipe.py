@@ -168,6 +168,10 @@ BAD = [
      "parallelism"),
     (["model.config=model_configs/tiny-arith-moe.yaml", "actor.parallel.ep=3", "resources.devices_per_node=3",
       "rollout.n=3"], "actor.parallel.ep: 3 does not divide model.num_experts=4"),
+    (["model.config=model_configs/tiny-arith-moe.yaml", "actor.router.replay=true", "actor.recompute=full"],
+     "actor.router.replay: routing replay is the actor's, with recompute=none"),
+    (["rollout.engine.return_routed_experts=true"],
+     "rollout.engine.return_routed_experts: set by the trainer for mixture-of-experts models"),
 ]
 
 
