@@ -153,11 +153,14 @@ class RopeScaling:
                                   f"(Megatron-Core's llama3 rope scaling fixes it to {value})")
 
 
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model. Field names follow the published HF configs where they exist."""
 
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe"]
     hidden_size: int
     num_layers: int
     num_attention_heads: int
@@ -174,13 +177,23 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
-    # Mixture of experts (every layer's MLP routed; HF: num_experts / num_local_experts, num_experts_per_tok,
-    # moe_intermediate_size, norm_topk_prob): softmax over the experts' logits, the top moe_topk kept, renormalized
-    # over those when moe_norm_topk_prob. 0 experts: a dense model.
+    rotary_percent: float = 1.0  # the share of each head's dims rotated (the first ones; HF partial_rotary_factor)
+    # Mixture of experts (0 experts: a dense model). Qwen3-MoE: softmax over the experts' logits, the top moe_topk
+    # kept, renormalized over those when moe_norm_topk_prob. DeepSeek-V3 style (GLM-4.5): sigmoid scores, chosen
+    # with a per-expert bias added (moe_expert_bias) among the moe_group_topk best of moe_groups expert groups,
+    # renormalized, times moe_routed_scaling; shared experts beside the routed ones; the first moe_dense_layers
+    # layers dense (ffn_hidden_size).
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = False
+    moe_router_score: Literal["softmax", "sigmoid"] = "softmax"
+    moe_expert_bias: bool = False
+    moe_groups: int = 1
+    moe_group_topk: int = 1
+    moe_routed_scaling: float = 1.0
+    moe_shared_ffn_hidden_size: int = 0  # all shared experts together; 0: none
+    moe_dense_layers: int = 0
     name: str = ""
 
     def __post_init__(self):
@@ -188,21 +201,45 @@ class ModelConfig:
                      "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        if (self.family == "qwen3_moe") != (self.num_experts > 0):
-            raise ConfigError(f"num_experts: {self.num_experts} with family={self.family} (qwen3_moe models have "
-                              "experts, the others none)")
-        if self.num_experts:
-            if not 1 <= self.moe_topk <= self.num_experts:
-                raise ConfigError(f"moe_topk: must lie in [1, num_experts={self.num_experts}], got {self.moe_topk}")
-            check_at_least(self, 1, "moe_ffn_hidden_size")
-        elif (self.moe_topk, self.moe_ffn_hidden_size, self.moe_norm_topk_prob) != (0, 0, False):
-            raise ConfigError("moe_topk, moe_ffn_hidden_size, moe_norm_topk_prob: set for a dense model "
-                              "(num_experts=0)")
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(f"num_kv_heads: {self.num_kv_heads} does not divide "
                               f"num_attention_heads={self.num_attention_heads}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps: must be positive, got {self.norm_eps}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(f"rotary_percent: must lie in (0, 1], got {self.rotary_percent}")
+        if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
+            raise ConfigError(f"num_experts: {self.num_experts} with family={self.family} ({', '.join(MOE_FAMILIES)} "
+                              "models have experts, the others none)")
+        if self.num_experts:
+            self._check_moe()
+        else:
+            for f in dataclasses.fields(self):
+                if f.name.startswith("moe_") and getattr(self, f.name) != f.default:
+                    raise ConfigError(f"{f.name}: {getattr(self, f.name)!r} is set for a dense model (num_experts=0)")
+
+    def _check_moe(self) -> None:
+        if not 1 <= self.moe_topk <= self.num_experts:
+            raise ConfigError(f"moe_topk: must lie in [1, num_experts={self.num_experts}], got {self.moe_topk}")
+        check_at_least(self, 1, "moe_ffn_hidden_size", "moe_groups", "moe_group_topk")
+        check_at_least(self, 0, "moe_shared_ffn_hidden_size", "moe_dense_layers")
+        if self.moe_dense_layers >= self.num_layers:
+            raise ConfigError(f"moe_dense_layers: {self.moe_dense_layers} leaves no MoE layer of "
+                              f"num_layers={self.num_layers}")
+        if self.num_experts % self.moe_groups or self.moe_group_topk > self.moe_groups:
+            raise ConfigError(f"moe_groups, moe_group_topk: {self.moe_groups} groups of num_experts="
+                              f"{self.num_experts}, {self.moe_group_topk} of them per token: need groups dividing "
+                              "the experts and group_topk <= groups")
+        if self.moe_groups > 1 and self.moe_topk != 2 * self.moe_group_topk:
+            # a group's score is the sum of its best 2 scores (DeepSeek-V3, HF); Megatron sums topk / group_topk
+            raise ConfigError(f"moe_group_topk: {self.moe_group_topk} with moe_topk={self.moe_topk}: grouped routing "
+                              "needs moe_topk = 2 * moe_group_topk (a group scores its best two experts)")
+        if self.moe_router_score == "softmax" and (self.moe_expert_bias or self.moe_routed_scaling != 1):
+            raise ConfigError("moe_expert_bias, moe_routed_scaling: belong to the sigmoid router "
+                              "(moe_router_score=sigmoid)")
+        if self.moe_router_score == "sigmoid" and self.moe_topk > 1 and not self.moe_norm_topk_prob:
+            raise ConfigError("moe_norm_topk_prob: false with the sigmoid router is not supported (Megatron "
+                              "renormalizes the top-k scores)")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelConfig":
@@ -253,10 +290,12 @@ class ParallelConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Divisibility rules between a layout and an architecture, checked before any process starts."""
-        # Experts are not split over TP (expert tensor parallel 1): only the dense MLP's width must divide.
+        # Routed experts are not split over TP (expert tensor parallel 1); dense MLPs and shared experts are.
+        dense_mlp = not model.num_experts or model.moe_dense_layers
         for field, value in (("num_attention_heads", model.num_attention_heads),
                              ("num_kv_heads", model.num_kv_heads),
-                             *((("ffn_hidden_size", model.ffn_hidden_size),) if not model.num_experts else ())):
+                             *((("ffn_hidden_size", model.ffn_hidden_size),) if dense_mlp else ()),
+                             ("moe_shared_ffn_hidden_size", model.moe_shared_ffn_hidden_size)):
             if value % self.tp:
                 raise ConfigError(f"tp: {self.tp} does not divide model.{field}={value}")
         if self.ep > 1 and not model.num_experts:
@@ -282,9 +321,12 @@ class RouterConfig:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     replay: bool = False
+    # models with an expert bias (DeepSeek-V3 style): how fast it moves toward balanced loads after each step
+    # (Megatron's auxiliary-loss-free balancing); 0 keeps the checkpoint's
+    bias_update_rate: float = 0.0
 
     def __post_init__(self):
-        check_at_least(self, 0, "aux_loss_coef", "z_loss_coef")
+        check_at_least(self, 0, "aux_loss_coef", "z_loss_coef", "bias_update_rate")
 
 
 @dataclasses.dataclass(frozen=True)

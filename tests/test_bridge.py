@@ -40,16 +40,25 @@ def _write_hf_model(family: str, out: Path) -> None:
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=None)),
         "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(  # 4 experts, top-2 renormalized
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+        # DeepSeek-V3-style MoE: sigmoid router with a correction bias, 2 groups of 4 experts (1 chosen per token),
+        # scaled weights, a shared expert, layer 0 dense; half the head dims rotated, q/k norms, qkv bias
+        "glm4_moe": lambda: T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
+            **common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+            partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0)),
     }[family]()
     torch.manual_seed(1)
     with torch.no_grad():  # far from init (norms at 1, biases at 0) so that any layout mistake shows
-        for name, p in model.named_parameters():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("inv_freq"):
+                continue
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(out, max_shard_size="60KB")  # several shards + index
     (out / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe"]
+MOE = ["qwen3_moe", "glm4_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +124,7 @@ def test_megatron_equals_transformers(hf_models, tp, pp):
 def test_expert_parallel_equals_transformers(hf_models, tp, ep, pp):
     """Each EP rank loads only its experts (and exports gather them); at pp=2 ep=2 takes two data-parallel ranks a
     stage."""
-    _check_megatron({"qwen3_moe": hf_models["qwen3_moe"]}, ParallelConfig(tp=tp, pp=pp, ep=ep))
+    _check_megatron({family: hf_models[family] for family in MOE}, ParallelConfig(tp=tp, pp=pp, ep=ep))
 
 
 def _check_megatron(hf_models: dict[str, Path], parallel: ParallelConfig) -> None:
@@ -222,8 +231,8 @@ def test_conversion_errors_are_one_line(hf_models, tmp_path):
 
 
 def test_moe_config_translation(hf_models):
-    """Qwen3-MoE config.json -> ModelConfig and back; published configs say num_experts, transformers 5 writes
-    num_local_experts; dense layers between MoE ones are refused, naming the field."""
+    """Qwen3-MoE and GLM-4.5 config.json -> ModelConfig and back; published Qwen3-MoE configs say num_experts,
+    transformers 5 writes num_local_experts; what Megatron would route differently is refused, naming the field."""
     from rlhf_mc.bridge.hf_config import hf_config_from_model
     from rlhf_mc.config import ConfigError
 
@@ -236,3 +245,15 @@ def test_moe_config_translation(hf_models):
     for field, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
         with pytest.raises(ConfigError, match=re.escape(f"{field}: {value} is not supported")):
             model_config_from_hf({**hf, field: value})
+
+    glm = read_hf_config(hf_models["glm4_moe"])
+    model = model_config_from_hf(glm)
+    assert (model.family, model.num_experts, model.moe_router_score, model.moe_expert_bias, model.moe_groups,
+            model.moe_group_topk, model.moe_routed_scaling, model.moe_shared_ffn_hidden_size, model.moe_dense_layers,
+            model.rotary_percent, model.qkv_bias, model.qk_norm) == (
+        "glm4_moe", 8, "sigmoid", True, 2, 1, 2.5, 32, 1, 0.5, True, True)
+    assert model_config_from_hf(hf_config_from_model(model)) == model
+    for change, message in (({"norm_topk_prob": False}, "norm_topk_prob: false is not supported"),
+                            ({"topk_group": 2}, "topk_group: 2 with num_experts_per_tok=2 is not supported")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            model_config_from_hf({**glm, **change})

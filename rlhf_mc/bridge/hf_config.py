@@ -21,13 +21,15 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
     # Reward models: the same decoder with a scalar head ("score.weight") instead of the vocabulary projection.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "MistralForSequenceClassification": "mistral",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3_moe": "qwen3_moe"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3_moe": "qwen3_moe",
+                "glm4_moe": "glm4_moe"}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -69,7 +71,8 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         raise ConfigError("mlp_bias: true is not supported")
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
-    moe = _moe(hf) if family == "qwen3_moe" else {}
+    moe = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe}.get(family, lambda hf: {})(hf)
+    rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return ModelConfig(
         family=family,
         hidden_size=hf["hidden_size"],
@@ -84,14 +87,15 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(hf.get("attention_bias", family == "qwen2")),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
+        rotary_percent=float(rotary),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         name=name,
         **moe,
     )
 
 
-def _moe(hf: dict) -> dict:
+def _qwen3_moe(hf: dict) -> dict:
     """Qwen3-MoE's expert fields (published configs say num_experts, transformers 5 writes num_local_experts).
     Dense layers between the MoE ones are refused: every layer's MLP is routed in the Megatron model."""
     if hf.get("mlp_only_layers"):
@@ -101,6 +105,25 @@ def _moe(hf: dict) -> dict:
                           "layer)")
     return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
                 moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")))
+
+
+def _glm4_moe(hf: dict) -> dict:
+    """GLM-4.5's (DeepSeek-V3's) expert fields: sigmoid router with a correction bias, grouped top-k, scaled
+    weights, shared experts, the first first_k_dense_replace layers dense. Its multi-token-prediction layers
+    (num_nextn_predict_layers) are not part of the causal LM: not loaded, not exported."""
+    if not hf.get("norm_topk_prob", True) and hf["num_experts_per_tok"] > 1:
+        raise ConfigError("norm_topk_prob: false is not supported with the sigmoid router (Megatron renormalizes "
+                          "the top-k scores)")
+    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if groups > 1 and hf["num_experts_per_tok"] != 2 * group_topk:
+        raise ConfigError(f"topk_group: {group_topk} with num_experts_per_tok={hf['num_experts_per_tok']} is not "
+                          f"supported (n_group={groups}: Megatron scores a group by its top num_experts_per_tok / "
+                          "topk_group experts, HF by its top 2)")
+    return dict(num_experts=hf.get("n_routed_experts") or hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                moe_router_score="sigmoid", moe_expert_bias=True, moe_groups=groups, moe_group_topk=group_topk, moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                moe_shared_ffn_hidden_size=hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"],
+                moe_dense_layers=hf.get("first_k_dense_replace", 0))
 
 
 def check_matches(model: ModelConfig, hf: dict) -> None:
@@ -142,10 +165,21 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
     }
     if model.family in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = model.qkv_bias
-    if model.num_experts:
+    if model.family == "qwen3_moe":
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
                       moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
                       decoder_sparse_step=1, mlp_only_layers=[])
+    if model.family == "glm4_moe":
+        config.update(n_routed_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
+                      moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
+                      n_group=model.moe_groups, topk_group=model.moe_group_topk,
+                      routed_scaling_factor=model.moe_routed_scaling,
+                      n_shared_experts=model.moe_shared_ffn_hidden_size // model.moe_ffn_hidden_size,
+                      first_k_dense_replace=model.moe_dense_layers, use_qk_norm=model.qk_norm,
+                      attention_bias=model.qkv_bias, num_nextn_predict_layers=0)
+    if model.rotary_percent != 1:
+        config["rope_parameters"]["partial_rotary_factor"] = model.rotary_percent
+        config["partial_rotary_factor"] = model.rotary_percent
     if model.family == "mistral":
         config["sliding_window"] = None
     return config

@@ -1,5 +1,5 @@
-"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE) and Megatron-Core's
-GPTModel.
+"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE, GLM-4.5) and
+Megatron-Core's GPTModel.
 
 One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP shards it, and its layout:
 - "plain": one HF tensor; TP splits dim `tp_dim` (None: replicated).
@@ -10,7 +10,7 @@ One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP
 Experts (expert tensor parallel 1: never split over TP) are named here by their global index e, whichever EP rank
 holds them: `decoder.layers.L.mlp.experts.local_experts.e.linear_fc{1,2}.weight` (bridge/weights.py renames the local
 names of Megatron's SequentialMLP and TE's grouped MLP to it); fc1 is [gate_e; up_e], fc2 is down_e, the router is
-HF's `mlp.gate`.
+HF's `mlp.gate` (its expert bias, a buffer, HF's `e_score_correction_bias`); shared experts are a TP-split MLP.
 Shards are read from / assembled to HF tensors here; nothing else in the package knows these layouts.
 """
 
@@ -57,6 +57,10 @@ _LAYER_RULES = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up", 0),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "plain", 1),
     "mlp.router.weight": (("mlp.gate.weight",), "plain", None),
+    "mlp.router.expert_bias": (("mlp.gate.e_score_correction_bias",), "plain", None),  # a buffer
+    "mlp.shared_experts.linear_fc1.weight": (("mlp.shared_experts.gate_proj.weight",
+                                              "mlp.shared_experts.up_proj.weight"), "gate_up", 0),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_experts.down_proj.weight",), "plain", 1),
 }
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc(1|2)\.weight$")
 _LAYER_RULES = {name: rule for names, rule in _LAYER_RULES.items() for name in names.split("|")}

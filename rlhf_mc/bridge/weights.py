@@ -33,9 +33,10 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter]]:
-    """(chunk index, local name, global Megatron name, parameter) for this rank's parameters. Global names number
-    layers over the pipeline and experts over EP (bridge/mapping.py)."""
+def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.Tensor]]:
+    """(chunk index, local name, global Megatron name, tensor) for this rank's parameters, and the routers' expert
+    biases (buffers the checkpoint holds, moved by training's load balancing). Global names number layers over the
+    pipeline and experts over EP (bridge/mapping.py)."""
     from megatron.core import parallel_state as ps
 
     for index, chunk in enumerate(chunks):
@@ -43,7 +44,8 @@ def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.nn.Parameter
         experts = gpt.config.num_moe_experts
         first_expert = ps.get_expert_model_parallel_rank() * experts // ps.get_expert_model_parallel_world_size() \
             if experts else 0
-        for name, param in gpt.named_parameters():
+        biases = [(n, b) for n, b in gpt.named_buffers() if n.endswith(".router.expert_bias")]
+        for name, param in [*gpt.named_parameters(), *biases]:
             match = _LOCAL_LAYER.match(name)
             if match:  # local layer j -> global layer number (1-based in Megatron)
                 layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1

@@ -53,7 +53,9 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
 
     HF's Qwen3-MoE router: softmax over all experts, top-k, renormalized over the k when norm_topk_prob. Megatron's
     top-k-then-softmax (moe_router_pre_softmax=False) is that renormalization; pre-softmax without scaling is the
-    unnormalized one. Routing in fp32 (bf16 router logits flip near-tied experts). Experts whole on each rank
+    unnormalized one. DeepSeek-V3 style: sigmoid scores (renormalized over the k), the expert bias added for the
+    choice only, groups scored by their best two experts, the scaling factor on the weights; the bias moves by
+    router.bias_update_rate after each step (Megatron's auxiliary-loss-free balancing; 0: frozen). Routing in fp32 (bf16 router logits flip near-tied experts). Experts whole on each rank
     (expert tensor parallel 1); TE's grouped GEMM on GPU, Megatron's per-expert MLPs otherwise (the fused
     permute/router kernels are CUDA-only). Megatron's RouterReplay in every router: models/routing.py replays or
     records the engine's routing through it (without an action set, routing is the router's own)."""
@@ -63,8 +65,15 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_topk,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not model.moe_norm_topk_prob,
+        moe_router_score_function=model.moe_router_score,
+        moe_router_pre_softmax=model.moe_router_score == "softmax" and not model.moe_norm_topk_prob,
+        moe_router_enable_expert_bias=model.moe_expert_bias,
+        moe_router_bias_update_rate=router.bias_update_rate,
+        moe_router_num_groups=model.moe_groups if model.moe_groups > 1 else None,
+        moe_router_group_topk=model.moe_group_topk if model.moe_groups > 1 else None,
+        moe_router_topk_scaling_factor=model.moe_routed_scaling if model.moe_routed_scaling != 1 else None,
+        moe_shared_expert_intermediate_size=model.moe_shared_ffn_hidden_size or None,
+        moe_layer_freq=[0] * model.moe_dense_layers + [1] * (model.num_layers - model.moe_dense_layers),
         moe_router_dtype="fp32",
         expert_tensor_parallel_size=1,
         moe_grouped_gemm=use_te,
@@ -133,17 +142,29 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
     )
 
 
-def layer_spec(model: ModelConfig, use_te: bool):
+def layer_spec(model: ModelConfig, use_te: bool, config, vp_stage: int | None):
+    """A dense model's layer spec; a mixture-of-experts model's block spec for this pipeline stage (its layers may
+    be dense or MoE: config.moe_layer_freq). Local specs get our core attention."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    experts = model.num_experts or None
+    if model.num_experts:
+        from megatron.core import parallel_state
+
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_te, normalization="RMSNorm", vp_stage=vp_stage,
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+        if use_te:
+            return block
+        return dataclasses.replace(block, layer_specs=[_local_attention(s) for s in block.layer_specs])
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=model.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+    return _local_attention(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm,
+                                                                     normalization="RMSNorm"))
+
+
+def _local_attention(spec):
     from rlhf_mc.models.attention import LocalCoreAttention
 
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                    qk_layernorm=model.qk_norm, normalization="RMSNorm")
     attention = spec.submodules.self_attention
     submodules = dataclasses.replace(attention.submodules, core_attention=LocalCoreAttention)
     return dataclasses.replace(spec, submodules=dataclasses.replace(
@@ -168,13 +189,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     parallel.check_model(model)
     use_te = te_available() if use_te is None else use_te
     config = transformer_config(model, parallel, dtype, recompute, init_weights, use_te, router)
-    spec = layer_spec(model, use_te)
     chunks = []
     for vp_stage in range(parallel.vpp):
         vp = vp_stage if parallel.vpp > 1 else None
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(model, use_te, config, vp),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -184,6 +204,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
             rotary_base=int(model.rope_theta),
             rope_scaling=model.rope_scaling is not None,
             rope_scaling_factor=model.rope_scaling.factor if model.rope_scaling else 8.0,
+            rotary_percent=model.rotary_percent,
             vp_stage=vp,
         )
         if value_head and gpt.post_process:

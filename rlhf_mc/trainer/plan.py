@@ -109,6 +109,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
         if section.router != RouterConfig() and not model.num_experts:
             raise ConfigError(f"{role}.router: the router losses are read only for mixture-of-experts models; "
                               f"{model.name or model.family} is dense")
+        if section.router.bias_update_rate and not model.moe_expert_bias:
+            raise ConfigError(f"{role}.router.bias_update_rate: {section.router.bias_update_rate} moves an expert "
+                              f"bias, which {model.name or model.family} has none of")
         if section.router.replay and (role == "critic" or section.recompute != "none"):
             raise ConfigError(f"{role}.router.replay: routing replay is the actor's, with recompute=none (a "
                               f"recomputed forward would replay another micro-batch's routing); got {role} with "
