@@ -33,6 +33,13 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+def weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What a model's checkpoint holds and training changes: its parameters, and the MoE routers' expert biases
+    (buffers, moved by the auxiliary-loss-free load balancing)."""
+    biases = [(name, b) for name, b in module.named_buffers() if name.endswith(".router.expert_bias")]
+    return [*module.named_parameters(), *biases]
+
+
 def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.Tensor]]:
     """(chunk index, local name, global Megatron name, tensor) for this rank's parameters, and the routers' expert
     biases (buffers the checkpoint holds, moved by training's load balancing). Global names number layers over the
@@ -44,8 +51,7 @@ def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.Tensor]]:
         experts = gpt.config.num_moe_experts
         first_expert = ps.get_expert_model_parallel_rank() * experts // ps.get_expert_model_parallel_world_size() \
             if experts else 0
-        biases = [(n, b) for n, b in gpt.named_buffers() if n.endswith(".router.expert_bias")]
-        for name, param in [*gpt.named_parameters(), *biases]:
+        for name, param in weights(gpt):
             match = _LOCAL_LAYER.match(name)
             if match:  # local layer j -> global layer number (1-based in Megatron)
                 layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from rlhf_mc.data.microbatch import micro_batches_by_tokens
 from rlhf_mc.data.packing import pack
 from rlhf_mc.data.trajectory import Trajectories
+from rlhf_mc.bridge.weights import weights as _weights
 from rlhf_mc.models.routing import Routing
 
 
@@ -158,20 +159,20 @@ class HostReference:
     def __init__(self, chunks: list[torch.nn.Module]):
         pin = torch.cuda.is_available()
         self.weights = [{name: p.detach().to("cpu", copy=True).pin_memory() if pin else p.detach().clone()
-                         for name, p in chunk.named_parameters()} for chunk in chunks]
+                         for name, p in _weights(chunk)} for chunk in chunks]
 
     @contextlib.contextmanager
     def swapped_in(self, chunks: list[torch.nn.Module]):
         """Within the block the chunks hold the reference weights; after it, the actor's again (bit for bit)."""
-        backup = [{name: p.detach().to("cpu", copy=True) for name, p in chunk.named_parameters()} for chunk in chunks]
+        backup = [{name: p.detach().to("cpu", copy=True) for name, p in _weights(chunk)} for chunk in chunks]
         try:
             with torch.no_grad():
                 for chunk, weights in zip(chunks, self.weights):
-                    for name, p in chunk.named_parameters():
+                    for name, p in _weights(chunk):
                         p.copy_(weights[name], non_blocking=True)
             yield
         finally:
             with torch.no_grad():
                 for chunk, weights in zip(chunks, backup):
-                    for name, p in chunk.named_parameters():
+                    for name, p in _weights(chunk):
                         p.copy_(weights[name], non_blocking=True)
