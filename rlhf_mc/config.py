@@ -153,14 +153,14 @@ class RopeScaling:
                                   f"(Megatron-Core's llama3 rope scaling fixes it to {value})")
 
 
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only model. Field names follow the published HF configs where they exist."""
 
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe"]
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3"]
     hidden_size: int
     num_layers: int
     num_attention_heads: int
@@ -178,6 +178,13 @@ class ModelConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False
     rotary_percent: float = 1.0  # the share of each head's dims rotated (the first ones; HF partial_rotary_factor)
+    # Multi-latent attention (DeepSeek-V3; kv_lora_rank > 0): queries through a q_lora_rank latent (0: projected
+    # directly), keys and values through a kv_lora_rank latent; per head, head_dim query/key dims without rotary
+    # embedding and qk_rope_head_dim with it (one rotary key shared by the heads), v_head_dim value dims.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Mixture of experts (0 experts: a dense model). Qwen3-MoE: softmax over the experts' logits, the top moe_topk
     # kept, renormalized over those when moe_norm_topk_prob. DeepSeek-V3 style (GLM-4.5): sigmoid scores, chosen
     # with a per-expert bias added (moe_expert_bias) among the moe_group_topk best of moe_groups expert groups,
@@ -206,6 +213,21 @@ class ModelConfig:
                               f"num_attention_heads={self.num_attention_heads}")
         if self.norm_eps <= 0:
             raise ConfigError(f"norm_eps: must be positive, got {self.norm_eps}")
+        mla = (self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim)
+        if (self.family == "deepseek_v3") != (self.kv_lora_rank > 0):
+            raise ConfigError(f"kv_lora_rank: {self.kv_lora_rank} with family={self.family} (deepseek_v3 models have "
+                              "multi-latent attention, the others none)")
+        if self.kv_lora_rank:
+            check_at_least(self, 0, "q_lora_rank")
+            check_at_least(self, 1, "v_head_dim")
+            if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+                raise ConfigError(f"qk_rope_head_dim: must be even and >= 2, got {self.qk_rope_head_dim}")
+            if self.num_kv_heads != self.num_attention_heads:
+                raise ConfigError(f"num_kv_heads: {self.num_kv_heads} must equal num_attention_heads="
+                                  f"{self.num_attention_heads} with multi-latent attention")
+        elif mla != (0, 0, 0, 0):
+            raise ConfigError("q_lora_rank, qk_rope_head_dim, v_head_dim: set without multi-latent attention "
+                              "(kv_lora_rank=0)")
         if not 0 < self.rotary_percent <= 1:
             raise ConfigError(f"rotary_percent: must lie in (0, 1], got {self.rotary_percent}")
         if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
@@ -298,6 +320,9 @@ class ParallelConfig:
                              ("moe_shared_ffn_hidden_size", model.moe_shared_ffn_hidden_size)):
             if value % self.tp:
                 raise ConfigError(f"tp: {self.tp} does not divide model.{field}={value}")
+        if model.kv_lora_rank and self.tp > 1:
+            raise ConfigError(f"tp: {self.tp} with multi-latent attention is not supported (the bridge maps its "
+                              "latent projections at tp=1 only)")
         if self.ep > 1 and not model.num_experts:
             raise ConfigError(f"ep: {self.ep} needs a mixture-of-experts model; {model.name or model.family} is dense")
         if model.num_experts % self.ep:

@@ -1,7 +1,8 @@
 """HF <-> Megatron bridge against transformers, for a random tiny model of every supported family.
 
 - Megatron logits after load_hf_weights equal transformers' (fp32, 1e-4) at TP in {1,2} x PP in {1,2}, and the
-  streaming export at that layout gives back every HF tensor bitwise; for Qwen3-MoE also at EP=2 with TP and PP.
+  streaming export at that layout gives back every HF tensor bitwise; for the MoE families (Qwen3-MoE, GLM-4.5,
+  DeepSeek-V3 with multi-latent attention, which the bridge maps at TP=1 only) also at EP=2 with TP and PP.
 - The CLI: hf -> mcore (TP=2 x PP=2) -> hf (loaded at TP=1) is bitwise equal; tools/score.py equals transformers'
   log-probs; bad input is a one-line error with exit code 2.
 """
@@ -46,6 +47,13 @@ def _write_hf_model(family: str, out: Path) -> None:
             **common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
             partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0)),
+        # the same MoE with multi-latent attention: q and kv latents of 32, 16 + 8 rotary (interleaved) query/key
+        # dims per head, 16 value dims
+        "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6}, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0)),
     }[family]()
     torch.manual_seed(1)
     with torch.no_grad():  # far from init (norms at 1, biases at 0) so that any layout mistake shows
@@ -57,8 +65,9 @@ def _write_hf_model(family: str, out: Path) -> None:
     (out / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe"]
-MOE = ["qwen3_moe", "glm4_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3"]
+MOE = ["qwen3_moe", "glm4_moe", "deepseek_v3"]
+TP1_ONLY = ["deepseek_v3"]  # multi-latent attention: the bridge maps it at TP=1
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +126,14 @@ def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_megatron_equals_transformers(hf_models, tp, pp):
-    _check_megatron(hf_models, ParallelConfig(tp=tp, pp=pp))
+    _check_megatron({f: p for f, p in hf_models.items() if tp == 1 or f not in TP1_ONLY}, ParallelConfig(tp=tp, pp=pp))
 
 
 @pytest.mark.parametrize("tp, ep, pp", [(2, 2, 1), (1, 2, 2)])
 def test_expert_parallel_equals_transformers(hf_models, tp, ep, pp):
     """Each EP rank loads only its experts (and exports gather them); at pp=2 ep=2 takes two data-parallel ranks a
     stage."""
-    _check_megatron({family: hf_models[family] for family in MOE}, ParallelConfig(tp=tp, pp=pp, ep=ep))
+    _check_megatron({f: hf_models[f] for f in MOE if tp == 1 or f not in TP1_ONLY}, ParallelConfig(tp=tp, pp=pp, ep=ep))
 
 
 def _check_megatron(hf_models: dict[str, Path], parallel: ParallelConfig) -> None:
@@ -231,7 +240,7 @@ def test_conversion_errors_are_one_line(hf_models, tmp_path):
 
 
 def test_moe_config_translation(hf_models):
-    """Qwen3-MoE and GLM-4.5 config.json -> ModelConfig and back; published Qwen3-MoE configs say num_experts,
+    """Qwen3-MoE, GLM-4.5 and DeepSeek-V3 config.json -> ModelConfig and back; published Qwen3-MoE configs say num_experts,
     transformers 5 writes num_local_experts; what Megatron would route differently is refused, naming the field."""
     from rlhf_mc.bridge.hf_config import hf_config_from_model
     from rlhf_mc.config import ConfigError
@@ -257,3 +266,15 @@ def test_moe_config_translation(hf_models):
                             ({"topk_group": 2}, "topk_group: 2 with num_experts_per_tok=2 is not supported")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             model_config_from_hf({**glm, **change})
+
+    deepseek = read_hf_config(hf_models["deepseek_v3"])
+    model = model_config_from_hf(deepseek)
+    assert (model.family, model.q_lora_rank, model.kv_lora_rank, model.head_dim, model.qk_rope_head_dim,
+            model.v_head_dim, model.num_experts, model.moe_router_score) == (
+        "deepseek_v3", 32, 32, 16, 8, 16, 8, "sigmoid")
+    assert model_config_from_hf(hf_config_from_model(model)) == model
+    for change, message in (({"rope_interleave": False}, "rope_interleave: false is not supported"),
+                            ({"rms_norm_eps": 1e-5}, "rms_norm_eps: 1e-05 is not supported with multi-latent"),
+                            ({"attention_bias": True}, "attention_bias: true is not supported")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            model_config_from_hf({**deepseek, **change})

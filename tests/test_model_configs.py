@@ -48,6 +48,6 @@ def test_every_config_loads_and_tiny_models_cover_each_family():
     configs = [ModelConfig.from_yaml(p) for p in sorted(CONFIGS.glob("*.yaml"))]
     assert {c.name for c in configs} >= set(PUBLISHED)
     tiny = {c.family: c for c in configs if c.name.startswith("tiny-")}
-    assert set(tiny) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe"}
+    assert set(tiny) == {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3"}
     assert tiny["qwen2"].qkv_bias and tiny["qwen3"].qk_norm and tiny["qwen3"].tie_embeddings
-    assert all(c.num_kv_heads < c.num_attention_heads for c in tiny.values())  # GQA
+    assert all(c.num_kv_heads < c.num_attention_heads for c in tiny.values() if not c.kv_lora_rank)  # GQA (not MLA)

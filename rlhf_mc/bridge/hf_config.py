@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # Reward models: the same decoder with a scalar head ("score.weight") instead of the vocabulary projection.
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
@@ -29,7 +30,7 @@ ARCHITECTURES = {
     "MistralForSequenceClassification": "mistral",
 }
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "qwen3_moe": "qwen3_moe",
-                "glm4_moe": "glm4_moe"}
+                "glm4_moe": "glm4_moe", "deepseek_v3": "deepseek_v3"}
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -71,7 +72,9 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         raise ConfigError("mlp_bias: true is not supported")
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
-    moe = {"qwen3_moe": _qwen3_moe, "glm4_moe": _glm4_moe}.get(family, lambda hf: {})(hf)
+    moe = {"qwen3_moe": _qwen3_moe, "glm4_moe": _deepseek_moe, "deepseek_v3": _deepseek_moe}.get(family,
+                                                                                             lambda hf: {})(hf)
+    mla = _mla(hf) if family == "deepseek_v3" else {}
     rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return ModelConfig(
         family=family,
@@ -79,7 +82,7 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        head_dim=mla.pop("head_dim", None) or hf.get("head_dim") or hf["hidden_size"] // heads,
         ffn_hidden_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf["max_position_embeddings"],
@@ -92,6 +95,7 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         name=name,
         **moe,
+        **mla,
     )
 
 
@@ -107,9 +111,9 @@ def _qwen3_moe(hf: dict) -> dict:
                 moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")))
 
 
-def _glm4_moe(hf: dict) -> dict:
-    """GLM-4.5's (DeepSeek-V3's) expert fields: sigmoid router with a correction bias, grouped top-k, scaled
-    weights, shared experts, the first first_k_dense_replace layers dense. Its multi-token-prediction layers
+def _deepseek_moe(hf: dict) -> dict:
+    """DeepSeek-V3's (and GLM-4.5's) expert fields: sigmoid router with a correction bias, grouped top-k, scaled
+    weights, shared experts, the first first_k_dense_replace layers dense. Their multi-token-prediction layers
     (num_nextn_predict_layers) are not part of the causal LM: not loaded, not exported."""
     if not hf.get("norm_topk_prob", True) and hf["num_experts_per_tok"] > 1:
         raise ConfigError("norm_topk_prob: false is not supported with the sigmoid router (Megatron renormalizes "
@@ -124,6 +128,20 @@ def _glm4_moe(hf: dict) -> dict:
                 moe_router_score="sigmoid", moe_expert_bias=True, moe_groups=groups, moe_group_topk=group_topk, moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
                 moe_shared_ffn_hidden_size=hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"],
                 moe_dense_layers=hf.get("first_k_dense_replace", 0))
+
+
+def _mla(hf: dict) -> dict:
+    """DeepSeek-V3's multi-latent attention fields; head_dim is the query/key dims without rotary embedding."""
+    if not hf.get("rope_interleave", True):
+        raise ConfigError("rope_interleave: false is not supported (Megatron's multi-latent attention rotates "
+                          "interleaved pairs)")
+    if hf.get("attention_bias"):
+        raise ConfigError("attention_bias: true is not supported with multi-latent attention")
+    if hf.get("rms_norm_eps", 1e-6) != 1e-6:
+        raise ConfigError(f"rms_norm_eps: {hf['rms_norm_eps']} is not supported with multi-latent attention (HF's "
+                          "latent norms fix 1e-6, Megatron's take the model's)")
+    return dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], head_dim=hf["qk_nope_head_dim"])
 
 
 def check_matches(model: ModelConfig, hf: dict) -> None:
@@ -169,14 +187,20 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
                       moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
                       decoder_sparse_step=1, mlp_only_layers=[])
-    if model.family == "glm4_moe":
+    if model.family in ("glm4_moe", "deepseek_v3"):
         config.update(n_routed_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
                       moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
                       n_group=model.moe_groups, topk_group=model.moe_group_topk,
                       routed_scaling_factor=model.moe_routed_scaling,
                       n_shared_experts=model.moe_shared_ffn_hidden_size // model.moe_ffn_hidden_size,
-                      first_k_dense_replace=model.moe_dense_layers, use_qk_norm=model.qk_norm,
-                      attention_bias=model.qkv_bias, num_nextn_predict_layers=0)
+                      first_k_dense_replace=model.moe_dense_layers, attention_bias=model.qkv_bias,
+                      num_nextn_predict_layers=0)
+    if model.family == "glm4_moe":
+        config["use_qk_norm"] = model.qk_norm
+    if model.family == "deepseek_v3":
+        config.update(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
+                      qk_nope_head_dim=model.head_dim, qk_rope_head_dim=model.qk_rope_head_dim,
+                      v_head_dim=model.v_head_dim, head_dim=model.qk_rope_head_dim, rope_interleave=True)
     if model.rotary_percent != 1:
         config["rope_parameters"]["partial_rotary_factor"] = model.rotary_percent
         config["partial_rotary_factor"] = model.rotary_percent

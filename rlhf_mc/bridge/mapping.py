@@ -62,6 +62,21 @@ _LAYER_RULES = {
                                               "mlp.shared_experts.up_proj.weight"), "gate_up", 0),
     "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_experts.down_proj.weight",), "plain", 1),
 }
+# Multi-latent attention (models with kv_lora_rank > 0), TP=1 only (ParallelConfig.check_model), one HF tensor each,
+# same layout (Megatron's MLA rotates DeepSeek's interleaved rotary pairs itself); its latent norms take the names of
+# Qwen3's q/k norms in Megatron
+_MLA_RULES = {
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight|self_attention.linear_q_up_proj.layer_norm_weight":
+        "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight|self_attention.linear_kv_up_proj.layer_norm_weight":
+        "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
+_MLA_RULES = {name: rule for names, rule in _MLA_RULES.items() for name in names.split("|")}
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc(1|2)\.weight$")
 _LAYER_RULES = {name: rule for names, rule in _LAYER_RULES.items() for name in names.split("|")}
 
@@ -77,6 +92,9 @@ def rule_for(megatron_name: str, model: ModelConfig) -> Rule:
     if megatron_name == "decoder.final_layernorm.weight":
         return Rule(megatron_name, ("model.norm.weight",), "plain", None)
     match = _LAYER.match(megatron_name)
+    if match and model.kv_lora_rank and match.group(2) in _MLA_RULES:
+        layer, suffix = match.groups()
+        return Rule(megatron_name, (f"model.layers.{layer}.{_MLA_RULES[suffix]}",), "plain", None)
     if match and match.group(2) in _LAYER_RULES:
         layer, suffix = match.groups()
         hf_suffixes, layout, tp_dim = _LAYER_RULES[suffix]
@@ -141,3 +159,4 @@ def to_hf(rule: Rule, full: torch.Tensor, tp_size: int, model: ModelConfig) -> l
     grouped = full.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *full.shape[1:])
     q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
     return [(name, t.reshape(-1, *full.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]
+

@@ -102,14 +102,17 @@ class LocalCoreAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None):
+        # k_channels / v_channels: multi-latent attention's query-key and value head dims (they differ; the
+        # attention below does not depend on either)
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"LocalCoreAttention supports causal attention only, got {attn_mask_type}")
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
         self.cp_group = pg_collection.cp
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else (k_channels or config.kv_channels) ** -0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

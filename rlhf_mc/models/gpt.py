@@ -86,15 +86,27 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
     )
 
 
+def mla_fields(model: ModelConfig) -> dict:
+    """MLATransformerConfig's multi-latent attention fields (none without). Its q/kv latents always have norms
+    (qk_layernorm); its rotary embedding (its own, over the qk_rope_head_dim dims) rotates interleaved pairs, as
+    DeepSeek-V3's checkpoints expect (rope_utils: mla_rotary_interleaved); YaRN scaling is not mapped."""
+    if not model.kv_lora_rank:
+        return {}
+    return dict(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.head_dim,
+                qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
+                rotary_base=model.rope_theta)
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
                        recompute: Recompute = "none", init_weights: bool = True, use_te: bool = False,
                        router: RouterConfig = RouterConfig()):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
     params_dtype = getattr(torch, dtype)
-    return TransformerConfig(
+    return (MLATransformerConfig if model.kv_lora_rank else TransformerConfig)(
         **moe_fields(model, router, use_te),
+        **mla_fields(model),
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -107,7 +119,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.qkv_bias,
-        qk_layernorm=model.qk_norm,
+        qk_layernorm=model.qk_norm or bool(model.kv_lora_rank),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tp,
