@@ -136,18 +136,28 @@ def load_yaml(path: str | Path) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1-style frequency scaling (the only kind Megatron-Core's RotaryEmbedding implements)."""
+    """Rotary frequency scaling: Llama-3.1's (llama3, Megatron-Core's RotaryEmbedding) or YaRN (DeepSeek-V3's, which
+    Megatron-Core implements for multi-latent attention)."""
 
-    type: Literal["llama3"] = "llama3"
+    type: Literal["llama3", "yarn"] = "llama3"
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn
+    mscale_all_dim: float = 0.0  # yarn
 
     def __post_init__(self):
         # Megatron-Core hard-codes these three in RotaryEmbedding._apply_scaling; only `factor` is a parameter.
         fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        for name, value in fixed.items():
+        own = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ("beta_fast", "beta_slow", "mscale",
+                                                                          "mscale_all_dim")}
+        for name in own["yarn" if self.type == "llama3" else "llama3"]:
+            if getattr(self, name) != getattr(RopeScaling, name):
+                raise ConfigError(f"rope_scaling.{name}: {getattr(self, name)!r} is not read by type={self.type}")
+        for name, value in fixed.items() if self.type == "llama3" else ():
             if getattr(self, name) != value:
                 raise ConfigError(f"rope_scaling.{name}: {getattr(self, name)!r} is not supported "
                                   f"(Megatron-Core's llama3 rope scaling fixes it to {value})")
@@ -217,6 +227,9 @@ class ModelConfig:
         if (self.family == "deepseek_v3") != (self.kv_lora_rank > 0):
             raise ConfigError(f"kv_lora_rank: {self.kv_lora_rank} with family={self.family} (deepseek_v3 models have "
                               "multi-latent attention, the others none)")
+        if self.rope_scaling is not None and self.rope_scaling.type == "yarn" and not self.kv_lora_rank:
+            raise ConfigError("rope_scaling.type: yarn is supported with multi-latent attention only (Megatron-Core's "
+                              "GPT rotary embedding scales llama3-style)")
         if self.kv_lora_rank:
             check_at_least(self, 0, "q_lora_rank")
             check_at_least(self, 1, "v_head_dim")

@@ -47,10 +47,12 @@ def _write_hf_model(family: str, out: Path) -> None:
             **common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
             partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True, num_nextn_predict_layers=0)),
-        # the same MoE with multi-latent attention: q and kv latents of 32, 16 + 8 rotary (interleaved) query/key
-        # dims per head, 16 value dims
+        # the same MoE with multi-latent attention: q and kv latents of 32, 16 + 8 rotary (interleaved, YaRN-scaled
+        # as DeepSeek-V3's) query/key dims per head, 16 value dims
         "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-            **{**common, "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6}, n_routed_experts=8, num_experts_per_tok=2,
+            **{**common, "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6}, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, n_routed_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0)),

@@ -28,6 +28,10 @@ def _error(fn, *args, **kwargs) -> str:
      "moe_topk: must lie in [1, num_experts=4], got 5"),
     ({"family": "qwen3_moe", "num_experts": 4, "moe_topk": 2}, "moe_ffn_hidden_size: must be >= 1, got 0"),
     ({"moe_topk": 2}, "moe_topk: 2 is set for a dense model (num_experts=0)"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.type: yarn is supported with multi-latent "
+                                                        "attention only"),
+    ({"rope_scaling": {"factor": 8.0, "beta_fast": 16}}, "rope_scaling.beta_fast: 16.0 is not read by type=llama3"),
+    ({"kv_lora_rank": 32}, "kv_lora_rank: 32 with family=llama (deepseek_v3 models have multi-latent attention"),
     ({"family": "glm4_moe", "num_experts": 8, "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_router_score": "sigmoid",
       "moe_groups": 4, "moe_group_topk": 2}, "moe_group_topk: 2 with moe_topk=2: grouped routing needs moe_topk = 2"),
     ({"family": "glm4_moe", "num_experts": 8, "moe_topk": 2, "moe_ffn_hidden_size": 32, "moe_router_score": "sigmoid"},

@@ -48,10 +48,13 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
-    if rope_type != "llama3":
-        raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default or llama3)")
+    if rope_type not in ("llama3", "yarn"):
+        raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported (default, llama3 or yarn)")
+    if rope_type == "yarn" and (not scaling.get("truncate", True) or scaling.get("attention_factor") is not None):
+        raise ConfigError("rope_parameters: yarn with truncate=false or an explicit attention_factor is not supported")
     fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"type"}
-    return float(theta), RopeScaling(**{k: v for k, v in scaling.items() if k in fields})
+    values = {k: v for k, v in scaling.items() if k in fields and v is not None}
+    return float(theta), RopeScaling(type=rope_type, **values)
 
 
 def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
@@ -161,8 +164,12 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
     arch = next(a for a, f in ARCHITECTURES.items() if f == model.family)
     rope = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
-        rope = {**dataclasses.asdict(model.rope_scaling), "rope_type": "llama3", "rope_theta": model.rope_theta}
-        rope.pop("type")
+        scaling = model.rope_scaling
+        rope = {**dataclasses.asdict(scaling), "rope_type": scaling.type, "rope_theta": model.rope_theta}
+        unread = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim") if scaling.type == "llama3" else (
+            "low_freq_factor", "high_freq_factor")
+        for name in ("type", *unread):
+            rope.pop(name)
     config = {
         "architectures": [arch],
         "model_type": _MODEL_TYPES[model.family],

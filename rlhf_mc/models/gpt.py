@@ -89,12 +89,18 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
 def mla_fields(model: ModelConfig) -> dict:
     """MLATransformerConfig's multi-latent attention fields (none without). Its q/kv latents always have norms
     (qk_layernorm); its rotary embedding (its own, over the qk_rope_head_dim dims) rotates interleaved pairs, as
-    DeepSeek-V3's checkpoints expect (rope_utils: mla_rotary_interleaved); YaRN scaling is not mapped."""
+    DeepSeek-V3's checkpoints expect (rope_utils: mla_rotary_interleaved), YaRN-scaled as theirs are."""
     if not model.kv_lora_rank:
         return {}
-    return dict(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.head_dim,
-                qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
-                rotary_base=model.rope_theta)
+    fields = dict(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.head_dim,
+                  qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
+                  rotary_base=model.rope_theta)
+    scaling = model.rope_scaling
+    if scaling is not None:  # yarn (ModelConfig allows no other here)
+        fields.update(rope_type="yarn", rotary_scaling_factor=scaling.factor, beta_fast=scaling.beta_fast,
+                      beta_slow=scaling.beta_slow, mscale=scaling.mscale, mscale_all_dim=scaling.mscale_all_dim,
+                      original_max_position_embeddings=scaling.original_max_position_embeddings)
+    return fields
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "float32",
@@ -214,7 +220,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
             share_embeddings_and_output_weights=model.tie_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=int(model.rope_theta),
-            rope_scaling=model.rope_scaling is not None,
+            rope_scaling=model.rope_scaling is not None and not model.kv_lora_rank,  # MLA: its own (mla_fields)
             rope_scaling_factor=model.rope_scaling.factor if model.rope_scaling else 8.0,
             rotary_percent=model.rotary_percent,
             vp_stage=vp,

@@ -97,7 +97,8 @@ class _CpuDeviceTorch(types.ModuleType):
 # buffer also asks for CUDA streams (param_and_grad_buffer.py start_grad_sync). Mixture of experts: the router moves
 # its weight to torch.cuda.current_device() in every forward (router.py gating), the tensor-parallel mappings give
 # the experts' token gathers outputs there (mappings.py _gather_along_first_dim and friends), and the all-to-all
-# token dispatcher makes a CUDA stream for its device-to-host copies (token_dispatcher.py cuda_dtoh_stream).
+# token dispatcher makes a CUDA stream for its device-to-host copies (token_dispatcher.py cuda_dtoh_stream). YaRN
+# (DeepSeek-V3's multi-latent attention) builds and moves its frequencies on torch.cuda.current_device().
 _CUDA_DEVICE_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
@@ -112,6 +113,7 @@ _CUDA_DEVICE_MODULES = (
     "megatron.core.transformer.moe.router",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 
 
