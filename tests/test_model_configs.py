@@ -19,23 +19,32 @@ PUBLISHED = {
     "qwen3-8b": 8.191,
     "mistral-7b": 7.248,
     "qwen3-30b-a3b": 30.532,
+    "deepseek-v3": 671.0,  # without its multi-token-prediction layer (the card's 685B include it)
 }
 
 
 def parameter_count(m: ModelConfig) -> int:
     """Counted from the architecture fields alone, as the HF implementation lays the weights out."""
-    q, kv = m.num_attention_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    attention = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
-    if m.qkv_bias:
-        attention += q + 2 * kv
-    if m.qk_norm:
-        attention += 2 * m.head_dim
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    if m.num_experts:  # routed experts and the router
-        mlp = m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size + m.num_experts * m.hidden_size
-    layer = attention + mlp + 2 * m.hidden_size
-    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
-    return m.num_layers * layer + embeddings + m.hidden_size
+    H, heads = m.hidden_size, m.num_attention_heads
+    if m.kv_lora_rank:  # multi-latent attention: latent projections and their norms
+        q_dims = m.head_dim + m.qk_rope_head_dim
+        query = H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * q_dims if m.q_lora_rank else H * heads * q_dims
+        attention = (query + H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+                     + m.kv_lora_rank * heads * (m.head_dim + m.v_head_dim) + heads * m.v_head_dim * H)
+    else:
+        q, kv = heads * m.head_dim, m.num_kv_heads * m.head_dim
+        attention = H * (q + 2 * kv) + q * H
+        if m.qkv_bias:
+            attention += q + 2 * kv
+        if m.qk_norm:
+            attention += 2 * m.head_dim
+    dense_mlp = 3 * H * m.ffn_hidden_size
+    moe_mlp = (m.num_experts * 3 * H * m.moe_ffn_hidden_size + m.num_experts * H  # routed experts, router
+               + 3 * H * m.moe_shared_ffn_hidden_size)
+    mlps = (m.moe_dense_layers * dense_mlp + (m.num_layers - m.moe_dense_layers) * moe_mlp if m.num_experts
+            else m.num_layers * dense_mlp)
+    embeddings = m.vocab_size * H * (1 if m.tie_embeddings else 2)
+    return m.num_layers * (attention + 2 * H) + mlps + embeddings + H
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
