@@ -64,6 +64,10 @@ def _write_hf_model(family: str, out: Path) -> None:
                 continue
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(out, max_shard_size="60KB")  # several shards + index
+    if family == "deepseek_v3":  # what published DeepSeek-V3 configs carry and SGLang reads; transformers omits them
+        config = json.loads((out / "config.json").read_text())
+        config.update(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tokenizer_config.json").write_text('{"model_max_length": 512}\n')
 
 

@@ -1,6 +1,6 @@
-"""Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, and from an EP=2 x PP=2 Qwen3-MoE
-actor (each rank holding half the experts), after optimizer steps that change the weights of every pipeline stage:
-each time, each engine's log-probs equal the actor's (1e-4, fp32) and its samples carry the new version; at the end
+"""Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, and from an EP=2 x PP=2 DeepSeek-V3
+actor (multi-latent attention and MoE, each rank holding half the experts), after optimizer steps that change the
+weights of every pipeline stage: each time, each engine's log-probs equal the actor's (1e-4, fp32) and its samples carry the new version; at the end
 its greedy output equals transformers' on the actor's exported weights. Ten more syncs show no memory growth.
 
 Colocated ("tensor"): each engine TP rank's payload must come from the trainer rank assigned to its device. On CPU
@@ -235,14 +235,17 @@ def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model,
 
 
 def test_sync_from_an_expert_parallel_actor(tmp_path):
-    """Qwen3-MoE (4 experts, top-2) at EP=2 x PP=2: every expert reaches the engine (broadcast from the EP rank that
-    holds it) under its HF name, SGLang's own MoE layer serving it on CPU."""
+    """DeepSeek-V3 (multi-latent attention, 8 experts in 2 groups with a correction bias, a shared expert, a dense
+    first layer) at EP=2 x PP=2: every expert reaches the engine (broadcast from the EP rank that holds it) under its
+    HF name, the latent down projections SGLang fuses in one bucket (the buckets here are small enough to split them
+    otherwise), and SGLang re-derives its absorbed attention weights from each new kv_b_proj. (Qwen3-MoE's sync is
+    checked by the MoE trainer test.)"""
     from rlhf_mc.config import RolloutConfig
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
     from tests.test_bridge import _write_hf_model
 
     model_dir = tmp_path / "moe"
-    _write_hf_model("qwen3_moe", model_dir)
+    _write_hf_model("deepseek_v3", model_dir)
     engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="float32"), log_dir=tmp_path / "logs")
     try:
         _run([(engine, [0])], "tensor", model_dir, tmp_path, ParallelConfig(ep=2, pp=2))

@@ -207,7 +207,9 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
     if model.family == "deepseek_v3":
         config.update(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank,
                       qk_nope_head_dim=model.head_dim, qk_rope_head_dim=model.qk_rope_head_dim,
-                      v_head_dim=model.v_head_dim, head_dim=model.qk_rope_head_dim, rope_interleave=True)
+                      v_head_dim=model.v_head_dim, head_dim=model.qk_rope_head_dim, rope_interleave=True,
+                      # what published DeepSeek-V3 configs say and SGLang reads (transformers does not write them)
+                      moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
     if model.rotary_percent != 1:
         config["rope_parameters"]["partial_rotary_factor"] = model.rotary_percent
         config["partial_rotary_factor"] = model.rotary_percent

@@ -108,6 +108,17 @@ def rule_for(megatron_name: str, model: ModelConfig) -> Rule:
     raise KeyError(f"no HF mapping for Megatron parameter {megatron_name}")
 
 
+def fused_group(rule: Rule) -> str | None:
+    """Parameters SGLang must receive in one weight-update call: it fuses DeepSeek-V3's q_a_proj and
+    kv_a_proj_with_mqa into one tensor and silently drops a half that arrives without the other
+    (deepseek_weight_loader.py: cached_a_proj lives for one load_weights call). None for every other parameter."""
+    match = _LAYER.match(rule.megatron_name)
+    if match and match.group(2) in ("self_attention.linear_q_down_proj.weight",
+                                    "self_attention.linear_kv_down_proj.weight"):
+        return f"layer {match.group(1)} latent down projections"
+    return None
+
+
 def expert_index(megatron_name: str) -> int | None:
     """The global expert index of an expert's parameter (global name), None for every other parameter."""
     match = _LAYER.match(megatron_name)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf_mc.bridge.hf_config import check_matches, read_hf_config
-from rlhf_mc.bridge.mapping import Rule, expert_index, is_exported, read_shard, rule_for, to_hf
+from rlhf_mc.bridge.mapping import Rule, expert_index, fused_group, is_exported, read_shard, rule_for, to_hf
 from rlhf_mc.bridge.safetensors_io import HFCheckpoint
 from rlhf_mc.config import ModelConfig
 
@@ -140,13 +140,25 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
     dist.all_gather_object(per_stage, stage, group=ps.get_pipeline_model_parallel_group())
     entries = tuple(PlanEntry(rule, pp_rank, owner, chunk, local_name, shape, dtype)
                     for pp_rank, items in enumerate(per_stage) for rule, owner, chunk, local_name, shape, dtype in items)
-    buckets, current, size = [], [], 0
+    # Entries SGLang must get in one call (mapping.fused_group) travel as one unit, in one bucket.
+    units: list[list[int]] = []
+    groups: dict[str, list[int]] = {}
     for i, entry in enumerate(entries):
-        if current and size + entry.nbytes > bucket_bytes:
+        key = fused_group(entry.rule)
+        if key in groups:
+            groups[key].append(i)
+            continue
+        units.append([i])
+        if key is not None:
+            groups[key] = units[-1]
+    buckets, current, size = [], [], 0
+    for unit in units:
+        nbytes = sum(entries[i].nbytes for i in unit)
+        if current and size + nbytes > bucket_bytes:
             buckets.append(tuple(current))
             current, size = [], 0
-        current.append(i)
-        size += entry.nbytes
+        current.extend(unit)
+        size += nbytes
     if current:
         buckets.append(tuple(current))
     return ExportPlan(entries, tuple(buckets))

@@ -7,7 +7,17 @@ With the CUDA build of torch and no GPU:
 - --enable-return-routed-experts (the routed experts of mixture-of-experts models, for routing replay) keeps them in a
   host buffer that SGLang pins with cudaHostRegister through torch.cuda.cudart() (mem_cache/pool_host/common.py),
   which raises the same error. On CPU there is nothing to pin: registering succeeds and does nothing.
+- Multi-latent attention (DeepSeek-V3) on the torch_native backend: SGLang registers no MLA handler for it
+  (models/deepseek_common/attention_backend_handler.py), so triton's sends a prefill without a cached prefix to the
+  non-absorbed path (forward_normal), whose K/V torch_native's forward_extend reads back from the KV cache - which for
+  MLA holds the latent, not per-head keys ("Expected size ... [4, 24] but got: [4, 40]"). The absorbed path reads
+  exactly that cache (SGLang takes it for decode already): torch_native gets the dispatch that, without AMX, always
+  chooses it. Patched right after SGLang imports that module (this file does not import SGLang).
 """
+
+import importlib.abc
+import importlib.machinery
+import sys
 
 import torch
 
@@ -31,3 +41,35 @@ class _NoCudaRuntime:
 if not torch.cuda.is_available():
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.cudart = lambda: _NoCudaRuntime
+
+
+def _absorbed_mla_on_torch_native(handlers) -> None:
+    handlers.AttentionBackendRegistry.register("torch_native", handlers._dispatch_mla_subtype)
+
+
+_PATCHES = {"sglang.srt.models.deepseek_common.attention_backend_handler": _absorbed_mla_on_torch_native}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs a module's patch right after the module is first imported (then steps aside)."""
+
+    def find_spec(self, name, path, target=None):
+        patch = _PATCHES.pop(name, None)
+        if patch is None:
+            return None
+        if not _PATCHES:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if not torch.cuda.is_available():
+    sys.meta_path.insert(0, _PatchAfterImport())
