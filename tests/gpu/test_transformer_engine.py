@@ -1,6 +1,7 @@
 """The Transformer Engine layer spec against the local spec (same weights, fp32): equal logits at TP=1, and at TP=2
 with sequence parallelism (on with TE at TP > 1) through the packed log-prob path (sequences padded to a multiple of
-TP). Runs where TE imports (GPU machines, the Docker image); skipped elsewhere."""
+TP), and the mixture-of-experts families against transformers. Runs where TE imports (GPU machines, the Docker
+image); skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -63,3 +64,40 @@ def test_sequence_parallel_te_spec_matches_local_spec(tmp_path):
     sequence_parallel = spawn(_logprobs, 2, 2, True, str(tmp_path))[0]
     for a, b in zip(local, sequence_parallel):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def _te_moe(hf_dir: str) -> dict:
+    """Logits of the HF model loaded into the TE spec (on this GPU), and whether the export gives back each tensor."""
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.bridge.safetensors_io import HFCheckpoint
+    from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights, load_hf_weights
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import device, init_parallel
+    from tests.test_bridge import TOKENS
+
+    init_parallel(ParallelConfig())
+    model = model_config_from_hf(read_hf_config(hf_dir))
+    (chunk,) = build_model(model, ParallelConfig(), use_te=True)
+    load_hf_weights([chunk], hf_dir, model)
+    chunk.eval()
+    tokens = TOKENS.to(device())
+    with torch.no_grad():
+        logits = chunk(tokens, torch.arange(tokens.size(1), device=device()).expand_as(tokens), None).float().cpu()
+    ckpt = HFCheckpoint(hf_dir)
+    plan = build_export_plan([chunk], model)
+    exported = {name: torch.equal(t.cpu(), ckpt.read(name)) for bucket in export_hf_weights([chunk], plan, model)
+                for name, t in bucket}
+    return {"logits": logits, "exported": exported, "names": ckpt.names()}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_te_spec_moe_equals_transformers(family, tmp_path):
+    """Mixture-of-experts through TE's layer spec: grouped-GEMM experts (parameters linear_fc1.weight<j>, which the
+    bridge names by global expert), TE's MLA attention for DeepSeek-V3: logits equal transformers' (fp32) and the
+    export gives every HF tensor back bitwise."""
+    from tests.test_bridge import _hf_logits, _write_hf_model
+
+    _write_hf_model(family, tmp_path)
+    (result,) = spawn(_te_moe, 1, str(tmp_path), device="cuda")
+    assert (result["logits"] - _hf_logits(tmp_path)).abs().max().item() < 1e-4
+    assert sorted(result["exported"]) == result["names"] and all(result["exported"].values())
