@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from rlhf_mc.config import ModelConfig, ParallelConfig, RouterConfig
+from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RouterConfig
 
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "full", "selective"]
@@ -48,6 +48,16 @@ def te_available() -> bool:
     return layer_impl()[0]
 
 
+def _router_gemm_without_te() -> None:
+    """Megatron-Core 0.16.1's moe_utils defines te_general_gemm only when Transformer Engine imports, yet its fp32
+    router gating (RouterGatingLinearFunction) tests `te_general_gemm is not None` (NameError without TE; 0.19 defines
+    it as None). Define it as None there, as later releases do."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
     """TransformerConfig's mixture-of-experts fields (none for a dense model).
 
@@ -61,6 +71,7 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
     records the engine's routing through it (without an action set, routing is the router's own)."""
     if not model.num_experts:
         return {}
+    _router_gemm_without_te()
     return dict(
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_topk,
@@ -92,6 +103,11 @@ def mla_fields(model: ModelConfig) -> dict:
     DeepSeek-V3's checkpoints expect (rope_utils: mla_rotary_interleaved), YaRN-scaled as theirs are."""
     if not model.kv_lora_rank:
         return {}
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear, type):
+        raise ConfigError("kv_lora_rank: multi-latent attention without Transformer Engine needs Megatron-Core >= 0.19 "
+                          "(0.16.1 believes TE imported and tests isinstance against its placeholder TELinear)")
     fields = dict(q_lora_rank=model.q_lora_rank or None, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.head_dim,
                   qk_pos_emb_head_dim=model.qk_rope_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
                   rotary_base=model.rope_theta)
