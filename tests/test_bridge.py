@@ -52,7 +52,8 @@ def _write_hf_model(family: str, out: Path) -> None:
         "deepseek_v3": lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             **{**common, "num_key_value_heads": 4, "head_dim": 8, "rms_norm_eps": 1e-6}, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, n_routed_experts=8, num_experts_per_tok=2,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+            n_routed_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, num_nextn_predict_layers=0)),
@@ -132,14 +133,16 @@ def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_megatron_equals_transformers(hf_models, tp, pp):
-    _check_megatron({f: p for f, p in hf_models.items() if tp == 1 or f not in TP1_ONLY}, ParallelConfig(tp=tp, pp=pp))
+    _check_megatron({f: p for f, p in hf_models.items() if tp == 1 or f not in TP1_ONLY},
+                    ParallelConfig(tp=tp, pp=pp))
 
 
 @pytest.mark.parametrize("tp, ep, pp", [(2, 2, 1), (1, 2, 2)])
 def test_expert_parallel_equals_transformers(hf_models, tp, ep, pp):
     """Each EP rank loads only its experts (and exports gather them); at pp=2 ep=2 takes two data-parallel ranks a
     stage."""
-    _check_megatron({f: hf_models[f] for f in MOE if tp == 1 or f not in TP1_ONLY}, ParallelConfig(tp=tp, pp=pp, ep=ep))
+    _check_megatron({f: hf_models[f] for f in MOE if tp == 1 or f not in TP1_ONLY},
+                    ParallelConfig(tp=tp, pp=pp, ep=ep))
 
 
 def _check_megatron(hf_models: dict[str, Path], parallel: ParallelConfig) -> None:
@@ -246,8 +249,9 @@ def test_conversion_errors_are_one_line(hf_models, tmp_path):
 
 
 def test_moe_config_translation(hf_models):
-    """Qwen3-MoE, GLM-4.5 and DeepSeek-V3 config.json -> ModelConfig and back; published Qwen3-MoE configs say num_experts,
-    transformers 5 writes num_local_experts; what Megatron would route differently is refused, naming the field."""
+    """Qwen3-MoE, GLM-4.5 and DeepSeek-V3 config.json -> ModelConfig and back; published Qwen3-MoE configs say
+    num_experts, transformers 5 writes num_local_experts; what Megatron would route differently is refused, naming
+    the field."""
     from rlhf_mc.bridge.hf_config import hf_config_from_model
     from rlhf_mc.config import ConfigError
 

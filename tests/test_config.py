@@ -22,8 +22,10 @@ def _error(fn, *args, **kwargs) -> str:
 @pytest.mark.parametrize("change, expected", [
     ({"hidden_size": "64"}, "hidden_size: expected int, got str '64'"),
     ({"num_layers": True}, "num_layers: expected int, got True"),
-    ({"family": "gpt2"}, "family: 'gpt2' is not one of ['llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'glm4_moe', 'deepseek_v3']"),
-    ({"num_experts": 4}, "num_experts: 4 with family=llama (qwen3_moe, glm4_moe, deepseek_v3 models have experts, the others none)"),
+    ({"family": "gpt2"}, "family: 'gpt2' is not one of ['llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'glm4_moe', "
+                         "'deepseek_v3']"),
+    ({"num_experts": 4}, "num_experts: 4 with family=llama (qwen3_moe, glm4_moe, deepseek_v3 models have experts, "
+                         "the others none)"),
     ({"family": "qwen3_moe", "num_experts": 4, "moe_topk": 5, "moe_ffn_hidden_size": 32},
      "moe_topk: must lie in [1, num_experts=4], got 5"),
     ({"family": "qwen3_moe", "num_experts": 4, "moe_topk": 2}, "moe_ffn_hidden_size: must be >= 1, got 0"),

@@ -28,7 +28,8 @@ def parameter_count(m: ModelConfig) -> int:
     H, heads = m.hidden_size, m.num_attention_heads
     if m.kv_lora_rank:  # multi-latent attention: latent projections and their norms
         q_dims = m.head_dim + m.qk_rope_head_dim
-        query = H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * q_dims if m.q_lora_rank else H * heads * q_dims
+        query = (H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * q_dims if m.q_lora_rank
+                 else H * heads * q_dims)
         attention = (query + H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
                      + m.kv_lora_rank * heads * (m.head_dim + m.v_head_dim) + heads * m.v_head_dim * H)
     else:

@@ -78,8 +78,8 @@ def _worker() -> dict:
     train_step(state, dataclasses.replace(batch, routed_experts=other), PolicyLossConfig(), replay_routing=True)
     router_grads = [float(p.main_grad.abs().sum()) for name, p in state.model[0].named_parameters()
                     if "router" in name]
-    return {"own": own, "own_after_step": own_after_step, "other": other, "plain": plain, "replayed": replayed, "agreement": agreement,
-            "router_grads": router_grads}
+    return {"own": own, "own_after_step": own_after_step, "other": other, "plain": plain, "replayed": replayed,
+            "agreement": agreement, "router_grads": router_grads}
 
 
 def test_routing_replay_and_agreement():

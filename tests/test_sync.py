@@ -1,7 +1,8 @@
 """Weight sync from a TP=2 x PP=2 actor into SGLang engines at TP=1 and TP=2, and from an EP=2 x PP=2 DeepSeek-V3
 actor (multi-latent attention and MoE, each rank holding half the experts), after optimizer steps that change the
-weights of every pipeline stage: each time, each engine's log-probs equal the actor's (1e-4, fp32) and its samples carry the new version; at the end
-its greedy output equals transformers' on the actor's exported weights. Ten more syncs show no memory growth.
+weights of every pipeline stage: each time, each engine's log-probs equal the actor's (1e-4, fp32) and its samples
+carry the new version; at the end its greedy output equals transformers' on the actor's exported weights. Ten more
+syncs show no memory growth.
 
 Colocated ("tensor"): each engine TP rank's payload must come from the trainer rank assigned to its device. On CPU
 a payload names the shared-memory file it refers to, and torch names those files after the process that made them

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rlhf_mc.config import ConfigError, ModelConfig, RopeScaling
 
-# HF architecture -> our family. All share the Llama weight layout; the differences are config switches (and
-# Qwen3-MoE's routed experts in place of the MLP).
+# HF architecture -> our family. All share the Llama weight layout; the differences are config switches (and the
+# MoE families' routed experts in place of the MLP, DeepSeek-V3's multi-latent attention in place of GQA).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -128,7 +128,8 @@ def _deepseek_moe(hf: dict) -> dict:
                           "topk_group experts, HF by its top 2)")
     return dict(num_experts=hf.get("n_routed_experts") or hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
                 moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
-                moe_router_score="sigmoid", moe_expert_bias=True, moe_groups=groups, moe_group_topk=group_topk, moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                moe_router_score="sigmoid", moe_expert_bias=True, moe_groups=groups, moe_group_topk=group_topk,
+                moe_routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
                 moe_shared_ffn_hidden_size=hf.get("n_shared_experts", 0) * hf["moe_intermediate_size"],
                 moe_dense_layers=hf.get("first_k_dense_replace", 0))
 

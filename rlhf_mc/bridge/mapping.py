@@ -1,5 +1,5 @@
-"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE, GLM-4.5) and
-Megatron-Core's GPTModel.
+"""Weight mapping between HF (Llama layout: Llama 2/3, Qwen2/2.5, Qwen3, Mistral; Qwen3-MoE, GLM-4.5; DeepSeek-V3's
+multi-latent attention) and Megatron-Core's GPTModel.
 
 One Rule per Megatron parameter (global layer numbering): its HF tensors, how TP shards it, and its layout:
 - "plain": one HF tensor; TP splits dim `tp_dim` (None: replicated).
@@ -170,4 +170,3 @@ def to_hf(rule: Rule, full: torch.Tensor, tp_size: int, model: ModelConfig) -> l
     grouped = full.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *full.shape[1:])
     q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
     return [(name, t.reshape(-1, *full.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]
-

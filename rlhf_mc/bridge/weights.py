@@ -24,7 +24,8 @@ from rlhf_mc.config import ModelConfig
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # A local expert's parameter: Megatron's SequentialMLP (local spec) and TE's grouped MLP name them differently.
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc(\d)\.weight|linear_fc(\d)\.weight(\d+))$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_fc(\d)\.weight"
+                           r"|linear_fc(\d)\.weight(\d+))$")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -138,8 +139,8 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
     stage = [item for rank, items in enumerate(per_ep_rank) for item in items if item[1] == rank or rank == 0]
     per_stage = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(per_stage, stage, group=ps.get_pipeline_model_parallel_group())
-    entries = tuple(PlanEntry(rule, pp_rank, owner, chunk, local_name, shape, dtype)
-                    for pp_rank, items in enumerate(per_stage) for rule, owner, chunk, local_name, shape, dtype in items)
+    entries = tuple(PlanEntry(rule, pp_rank, *item) for pp_rank, items in enumerate(per_stage)
+                    for rule, *item in items)
     # Entries SGLang must get in one call (mapping.fused_group) travel as one unit, in one bucket.
     units: list[list[int]] = []
     groups: dict[str, list[int]] = {}

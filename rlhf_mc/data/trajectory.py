@@ -88,8 +88,8 @@ class Trajectories:
                                        [s.versions for s in samples], scores, [s.prompt_index for s in samples],
                                        {"rollout_logprobs": [torch.tensor(s.logprobs) for s in samples]},
                                        [s.finish_reason for s in samples])
-        if samples and samples[0].routed_experts is not None:
-            batch.routed_experts = torch.cat([s.routed_experts for s in samples])
+        if samples and samples[0].routed_experts is not None:  # replace: the sizes are checked again
+            batch = dataclasses.replace(batch, routed_experts=torch.cat([s.routed_experts for s in samples]))
         return batch
 
     @staticmethod

@@ -65,13 +65,13 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
     top-k-then-softmax (moe_router_pre_softmax=False) is that renormalization; pre-softmax without scaling is the
     unnormalized one. DeepSeek-V3 style: sigmoid scores (renormalized over the k), the expert bias added for the
     choice only, groups scored by their best two experts, the scaling factor on the weights; the bias moves by
-    router.bias_update_rate after each step (Megatron's auxiliary-loss-free balancing; 0: frozen). Routing in fp32 (bf16 router logits flip near-tied experts). Experts whole on each rank
-    (expert tensor parallel 1); TE's grouped GEMM on GPU, Megatron's per-expert MLPs otherwise (the fused
-    permute/router kernels are CUDA-only). Megatron's RouterReplay in every router: models/routing.py replays or
-    records the engine's routing through it (without an action set, routing is the router's own)."""
+    router.bias_update_rate after each step (Megatron's auxiliary-loss-free balancing; 0: frozen). Routing in fp32
+    (bf16 router logits flip near-tied experts). Experts whole on each rank (expert tensor parallel 1); TE's grouped
+    GEMM on GPU, Megatron's per-expert MLPs otherwise (the fused permute/router kernels are CUDA-only). Megatron's
+    RouterReplay in every router: models/routing.py replays or records the engine's routing through it (without an
+    action set, routing is the router's own)."""
     if not model.num_experts:
         return {}
-    _router_gemm_without_te()
     return dict(
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_topk,
@@ -221,6 +221,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     from megatron.core.transformer.module import Float16Module
 
     parallel.check_model(model)
+    if model.num_experts:
+        _router_gemm_without_te()
     use_te = te_available() if use_te is None else use_te
     config = transformer_config(model, parallel, dtype, recompute, init_weights, use_te, router)
     chunks = []
