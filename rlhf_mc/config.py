@@ -482,3 +482,27 @@ class RolloutConfig:
                 raise ConfigError(f"addresses: {address!r} is not host:port")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"context_length: must be >= 2, got {self.context_length}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolsConfig:
+    """The tools the policy may call in multi-turn rollouts (rlhf_mc/tools/, rollout/multi_turn.py). Each is a
+    Python function named by import path ("package.module:function"); its JSON schema (name, description, typed
+    arguments, from the signature and the Google-style docstring) goes to the chat template's `tools`."""
+
+    functions: tuple[str, ...] = ()
+    parser: str = "hermes"  # the tool-call format: "hermes" (<tool_call>{json}</tool_call>) or an import path
+    max_turns: int = 4  # assistant turns per trajectory
+    max_calls_per_turn: int = 4  # tool calls run per assistant turn; further ones get an error message
+    output_tokens: int = 256  # a tool message is cut to this many tokens (and says so)
+    timeout_s: float = 10.0  # per call, wall clock; the call's process is killed after it
+    memory_mb: int = 1024  # per call: the address-space limit of its process
+    concurrency: int = 4  # calls running at once
+
+    def __post_init__(self):
+        check_at_least(self, 1, "max_turns", "max_calls_per_turn", "output_tokens", "memory_mb", "concurrency")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if len(set(self.functions)) != len(self.functions):
+            twice = sorted({f for f in self.functions if self.functions.count(f) > 1})
+            raise ConfigError(f"functions: listed twice: {twice}")
