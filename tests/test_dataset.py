@@ -63,7 +63,9 @@ def test_parquet_equals_jsonl(tmp_path):
 
 def test_sft_examples_end_with_eos(tokenizer):
     examples = load_sft(ARITH / "sft.jsonl", tokenizer, "prompt", "response", False, 16)
-    ids, start = examples[0]
+    ids, mask = examples[0]
+    start = mask.index(True)
+    assert all(mask[start:])
     row = read_rows(ARITH / "sft.jsonl")[0]
     assert tokenizer.decode(ids[1:start]) == row["prompt"]
     assert tokenizer.decode(ids[start:-1]) == row["response"] and ids[-1] == tokenizer.eos_token_id

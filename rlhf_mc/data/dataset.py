@@ -46,21 +46,23 @@ def _field(row: dict, key: str, path, i: int) -> str:
     return str(row[key])
 
 
-def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat_template: bool, tools: list[dict] | None = None) -> list[int]:
+    """The prompt's tokens: through the chat template as a user message (with the schemas of `tools`), or as is
+    after the bos token."""
     if chat_template:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], tools=tools,
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + list(ids)
 
 
 def load_prompts(path, tokenizer, prompt_key: str, answer_key: str, chat_template: bool,
-                 max_prompt_length: int) -> tuple[list[Prompt], int]:
+                 max_prompt_length: int, tools: list[dict] | None = None) -> tuple[list[Prompt], int]:
     """(prompts, number dropped for length)."""
     prompts, dropped = [], 0
     for i, row in enumerate(read_rows(path)):
         text = _field(row, prompt_key, path, i)
-        ids = encode_prompt(tokenizer, text, chat_template)
+        ids = encode_prompt(tokenizer, text, chat_template, tools)
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
@@ -70,16 +72,28 @@ def load_prompts(path, tokenizer, prompt_key: str, answer_key: str, chat_templat
     return prompts, dropped
 
 
-def load_sft(path, tokenizer, prompt_key: str, response_key: str, chat_template: bool, max_length: int
-             ) -> list[tuple[list[int], int]]:
-    """(prompt + response + eos token ids, response start) per row; rows over max_length are dropped."""
+def load_sft(path, tokenizer, prompt_key: str, response_key: str, chat_template: bool, max_length: int,
+             messages_key: str = "", tools: list[dict] | None = None) -> list[tuple[list[int], list[bool]]]:
+    """(token ids, loss mask) per row: prompt + response + eos with the loss on the response and eos; or, with
+    `messages_key`, a conversation tokenized as the multi-turn rollouts hold it (data/chat.py) with the loss on its
+    assistant turns. Rows over max_length are dropped."""
+    from rlhf_mc.data.chat import Conversation
+
+    chat = Conversation.of(tokenizer) if messages_key else None
     out = []
     for i, row in enumerate(read_rows(path)):
-        prompt = encode_prompt(tokenizer, _field(row, prompt_key, path, i), chat_template)
-        response = tokenizer(_field(row, response_key, path, i), add_special_tokens=False)["input_ids"]
-        ids = prompt + list(response) + [tokenizer.eos_token_id]
+        if chat is not None:
+            messages = row.get(messages_key)
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise ConfigError(f"{path}: row {i}: {messages_key!r} must be a list of chat messages")
+            ids, mask = chat.tokens(messages, tools)
+        else:
+            prompt = encode_prompt(tokenizer, _field(row, prompt_key, path, i), chat_template, tools)
+            response = tokenizer(_field(row, response_key, path, i), add_special_tokens=False)["input_ids"]
+            ids = prompt + list(response) + [tokenizer.eos_token_id]
+            mask = [False] * len(prompt) + [True] * (len(ids) - len(prompt))
         if len(ids) <= max_length:
-            out.append((ids, len(prompt)))
+            out.append((ids, mask))
     if not out:
         raise ConfigError(f"{path}: no example of at most {max_length} tokens")
     return out

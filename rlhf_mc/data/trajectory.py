@@ -34,8 +34,11 @@ class Sample:
     logprobs: list[float]  # the engine's log-prob of each sampled token, 0 elsewhere
     versions: list[int]  # the weight version that sampled each token, NOT_SAMPLED elsewhere
     finish_reason: str  # rollout/base.FinishReason
-    text: str  # what the reward function reads: the response, decoded
+    text: str  # what the reward function reads: the response (multi-turn: the final answer), decoded
     routed_experts: torch.Tensor | None = None  # [len(tokens), layers * top-k] int16, -1: not run by the engine
+    # multi-turn: the exchange after the prompt as chat messages (assistant turns, tool results), for rewards
+    messages: list[dict] | None = None
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)  # per-trajectory counts, logged as means
 
 
 @dataclasses.dataclass

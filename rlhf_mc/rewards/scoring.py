@@ -4,6 +4,7 @@ A function that raises or exceeds its timeout gives the sample `failure_score` a
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import logging
 from typing import Callable
 
@@ -26,13 +27,18 @@ class RewardScorer:
     def __init__(self, function: str, kwargs: dict | None = None, timeout_s: float = 10.0,
                  failure_score: float = 0.0, workers: int = 4):
         self.fn, self.kwargs = resolve(function), dict(kwargs or {})
+        # multi-turn trajectories: a function with a `messages` parameter also gets the exchange after the prompt
+        self.takes_messages = "messages" in inspect.signature(self.fn).parameters
         self.timeout_s, self.failure_score = timeout_s, failure_score
         # Threads: a hung call cannot be killed, but it no longer holds up the run (its slot stays taken).
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward")
 
-    def score(self, responses: list[str], answers: list[str], prompts: list[str]) -> tuple[list[float], dict]:
+    def score(self, responses: list[str], answers: list[str], prompts: list[str],
+              messages: list[list[dict] | None] | None = None) -> tuple[list[float], dict]:
         """(scores, {"reward/failures": n, "reward/timeouts": n})."""
-        futures = [self.pool.submit(self.fn, r, a, p, **self.kwargs) for r, a, p in zip(responses, answers, prompts)]
+        extra = [{"messages": m} for m in messages] if self.takes_messages and messages else [{}] * len(responses)
+        futures = [self.pool.submit(self.fn, r, a, p, **self.kwargs, **e)
+                   for r, a, p, e in zip(responses, answers, prompts, extra)]
         scores, failures, timeouts = [], 0, 0
         done, _ = concurrent.futures.wait(futures, timeout=self.timeout_s)
         for future in futures:

@@ -59,8 +59,11 @@ class RolloutEngine(Protocol):
 
     weight_version: int
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
-        """n samples per prompt, ordered by (prompt, sample)."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, sessions: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[RolloutSample]:
+        """n samples per prompt, ordered by (prompt, sample). `sessions`: prompts with the same session go to the
+        same engine (a conversation's turns, whose prefix that engine has cached); `max_new_tokens`: per prompt,
+        instead of sampling.max_new_tokens."""
 
     def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """Colocated: HF-named tensors handed to the engines on the same machine."""

@@ -170,18 +170,21 @@ class SGLangEngine:
             raise RuntimeError(f"engine {engine} {path}: HTTP {response.status_code}: {json.dumps(body)[:500]}")
         return body
 
-    def _pick_engine(self, avoid: int | None) -> int:
+    def _pick_engine(self, avoid: int | None, session: int | None) -> int:
         with self._lock:
             candidates = [i for i in range(len(self.urls)) if i != avoid] or [avoid]
             engine = min(candidates, key=lambda i: self._inflight[i])
+            if session is not None and session % len(self.urls) in candidates:
+                engine = session % len(self.urls)
             self._inflight[engine] += 1
             return engine
 
-    def _generate_request(self, payload: dict) -> tuple[int, list | dict]:
-        """Posts one /generate request; a server that died is restarted and the request retried."""
+    def _generate_request(self, payload: dict, session: int | None = None) -> tuple[int, list | dict]:
+        """Posts one /generate request (to the session's engine, if given); a server that died is restarted and the
+        request retried."""
         avoid = None
         for _ in range(self.cfg.max_restarts + 2):
-            engine = self._pick_engine(avoid)
+            engine = self._pick_engine(avoid, session)
             try:
                 return engine, self._call(engine, "POST", "/generate", payload)
             except (requests.ConnectionError, requests.Timeout) as error:
@@ -235,7 +238,8 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutSample]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, sessions: list[int] | None = None,
+                 max_new_tokens: list[int] | None = None) -> list[RolloutSample]:
         if sampling.seed is not None and not self.cfg.deterministic:
             raise ValueError("sampling.seed: SGLang honours per-sample seeds only with rollout.deterministic=true "
                              "(--enable-deterministic-inference, GPU attention backends)")
@@ -251,7 +255,10 @@ class SGLangEngine:
                 self.stats["prompt_over_context"] += 1
                 samples += [RolloutSample(p, i, [], [], "context_length", self.versions[0]) for i in range(sampling.n)]
                 continue
-            max_new = min(sampling.max_new_tokens, budget)
+            wanted = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens[p]
+            if wanted < 1:
+                raise ValueError(f"max_new_tokens[{p}]: must be >= 1, got {wanted}")
+            max_new = min(wanted, budget)
             if sampling.seed is None:
                 groups = [(0, {**params, "n": sampling.n, "max_new_tokens": max_new})]
             else:
@@ -261,9 +268,10 @@ class SGLangEngine:
                 request = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
                 if self.cfg.return_routed_experts:
                     request["return_routed_experts"] = True
-                jobs.append((p, first, request, max_new < sampling.max_new_tokens))
+                jobs.append((p, first, request, max_new < wanted))
         with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(jobs)))) as pool:
-            results = list(pool.map(lambda job: self._generate_request(job[2]), jobs))
+            results = list(pool.map(lambda job: self._generate_request(
+                job[2], None if sessions is None else sessions[job[0]]), jobs))
         for (p, first, request, capped), (engine, outputs) in zip(jobs, results):
             for offset, out in enumerate(outputs if isinstance(outputs, list) else [outputs]):
                 samples.append(self._sample(p, first + offset, engine, out, capped, len(request["input_ids"])))

@@ -24,6 +24,7 @@ from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rollout.base import SamplingParams
+from rlhf_mc.tools.executor import tool_schema
 from rlhf_mc.trainer import checkpoints
 from rlhf_mc.trainer.colocation import ColocationSchedule
 from rlhf_mc.trainer.metrics import MetricsLogger, Timer
@@ -86,6 +87,11 @@ def advantages(recipe: Recipe, batch: Trajectories, kl_coef: float = 0.0
     return out, current_kl
 
 
+def tool_schemas(recipe: Recipe) -> list[dict] | None:
+    """The recipe's tools as the chat template takes them (None without tools: the template renders none)."""
+    return [tool_schema(path) for path in recipe.tools.functions] or None
+
+
 def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
     """config.json for the actor's HF exports: the source's when the model came from HF, else made from the model
     config with the tokenizer's special tokens (SGLang stops at the config's eos_token_id)."""
@@ -102,8 +108,8 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
     the result exported to `out` (HF). False if `stop` ended it first (nothing exported)."""
     sft, data = recipe.sft, recipe.data
-    examples = load_sft(sft.data_path, tokenizer, data.prompt_key, sft.response_key,
-                        data.chat_template, data.max_prompt_length + data.max_response_length)
+    examples = load_sft(sft.data_path, tokenizer, data.prompt_key, sft.response_key, data.chat_template,
+                        data.max_prompt_length + data.max_response_length, sft.messages_key, tool_schemas(recipe))
     group = cluster.worker_group("sft", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
                                  router=recipe.actor.router)
     if recipe.model.path:
@@ -114,7 +120,7 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     with tqdm(total=sft.steps, desc="sft", dynamic_ncols=True, disable="console" not in recipe.trainer.loggers) as bar:
         for step in range(sft.steps):
             batch = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-            sequences = Trajectories.single_turn([ids for ids, _ in batch], [start for _, start in batch])
+            sequences = Trajectories.from_rows([ids for ids, _ in batch], [mask for _, mask in batch])
             metrics = group.train_sft(sequences, sft.micro_batch_tokens)
             logger.log(step, {f"sft/{k}": v for k, v in metrics.items()})
             bar.set_postfix(loss=f"{metrics['sft_loss']:.3g}", refresh=False)
@@ -142,10 +148,11 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
     data, r = recipe.data, recipe.rollout
     train_prompts, dropped, val_prompts, total_steps = [], 0, [], 0
     if not recipe.sft.only:
+        tools = tool_schemas(recipe)
         train_prompts, dropped = load_prompts(data.train_path, tokenizer, data.prompt_key,
-                                              data.answer_key, data.chat_template, data.max_prompt_length)
+                                              data.answer_key, data.chat_template, data.max_prompt_length, tools)
         val_prompts = load_prompts(data.val_path, tokenizer, data.prompt_key, data.answer_key,
-                                   data.chat_template, data.max_prompt_length)[0] if data.val_path else []
+                                   data.chat_template, data.max_prompt_length, tools)[0] if data.val_path else []
         val_prompts = val_prompts[:data.val_size] if data.val_size else val_prompts
         per_epoch = len(train_prompts) // data.train_batch_size
         total_steps = recipe.trainer.total_steps or per_epoch * recipe.trainer.total_epochs
@@ -217,8 +224,11 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                                                 recipe.reward.parallel, value_head=True)
             reward_model.load_hf(reward_path, "score.weight")
         rollouts = RolloutManager(recipe, cluster, schedule, tokenizer, scorer, reward_model)
-        metrics = _run_steps(recipe, cluster, schedule, rollouts, actor, reference, critic, tokenizer, train_prompts,
-                             val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
+        try:
+            metrics = _run_steps(recipe, cluster, schedule, rollouts, actor, reference, critic, tokenizer,
+                                 train_prompts, val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
+        finally:
+            rollouts.close()
         if stop():
             return metrics
         schedule.finish()

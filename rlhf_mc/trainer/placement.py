@@ -273,11 +273,11 @@ class EngineWorker:
             self.stale = False
             self._restored.notify_all()
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, max_new_tokens=None):
         with self._restored:
             self._generating += 1
         try:
-            return self.engine.generate(prompts, sampling)
+            return self.engine.generate(prompts, sampling, max_new_tokens=max_new_tokens)
         finally:
             with self._restored:
                 self._generating -= 1
@@ -375,17 +375,21 @@ class Cluster:
             return None
         return [list(range(first, first + n)) for first, n in self.plan.engines]
 
-    def generate(self, prompts: list[list[int]], sampling, restore: Callable[[int], None]) -> list:
-        """Prompts dealt round-robin to the engines; samples in (prompt, sample) order. `restore(e)` gives engine e
-        the actor's current weights: called for an engine restarted since the last sync before it serves, and for
-        one restarted during this rollout while its retried requests wait."""
+    def generate(self, prompts: list[list[int]], sampling, restore: Callable[[int], None],
+                 sessions: list[int] | None = None, max_new_tokens: list[int] | None = None) -> list:
+        """Prompts dealt to the engines by session (default: round-robin), so that a conversation's turns reach the
+        engine that holds its prefix; samples in (prompt, sample) order. `max_new_tokens`: per prompt (RolloutEngine).
+        `restore(e)` gives engine e the actor's current weights: called for an engine restarted since the last sync
+        before it serves, and for one restarted during this rollout while its retried requests wait."""
         import ray
 
         for e, stale in enumerate(ray.get([engine.is_stale.remote() for engine in self.engines])):
             if stale:
                 self._restore(e, restore)
-        shares = [list(range(e, len(prompts), len(self.engines))) for e in range(len(self.engines))]
-        calls = {engine.generate.remote([prompts[i] for i in share], sampling): e
+        sessions = range(len(prompts)) if sessions is None else sessions
+        shares = [[i for i, s in enumerate(sessions) if s % len(self.engines) == e] for e in range(len(self.engines))]
+        calls = {engine.generate.remote([prompts[i] for i in share], sampling,
+                                        None if max_new_tokens is None else [max_new_tokens[i] for i in share]): e
                  for e, (engine, share) in enumerate(zip(self.engines, shares)) if share}
         pending, answers = list(calls), {}
         while pending:

@@ -5,6 +5,7 @@ what --dry-run prints. And the launch checks --dry-run leaves out."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 
 from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
@@ -222,7 +223,7 @@ def check_launch(recipe: Recipe) -> None:
 
     if recipe.reward.function:
         resolve(recipe.reward.function)
-    import_by_path("rollout.function", recipe.rollout.function)
+    _check_rollout_function(recipe)
     import_by_path("algorithm.group_filter", recipe.algorithm.group_filter)
     resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
     if recipe.reward.model:
@@ -242,3 +243,27 @@ def check_launch(recipe: Recipe) -> None:
             value = getattr(getattr(recipe, section), field)
             if value and not Path(value).exists():
                 raise ConfigError(f"{section}.{field}: not found: {value}")
+
+
+def _check_rollout_function(recipe: Recipe) -> None:
+    """The rollout function imports and takes its arguments: rollout.function_kwargs by name, and the recipe's tools
+    exactly when it has a `tools` parameter; the tools import and have schemas, the tool-call parser imports."""
+    from rlhf_mc.tools import parsers
+    from rlhf_mc.tools.executor import tool_schema
+
+    r = recipe.rollout
+    fn = import_by_path("rollout.function", r.function)
+    takes_tools = "tools" in inspect.signature(fn).parameters
+    if recipe.tools.functions and not takes_tools:
+        raise ConfigError(f"tools.functions: rollout.function {r.function!r} takes no tools; use "
+                          "rlhf_mc.rollout.multi_turn:tool_loop or a function with a `tools` parameter")
+    if takes_tools and not recipe.tools.functions:
+        raise ConfigError(f"rollout.function: {r.function!r} calls tools; list them in tools.functions")
+    try:
+        inspect.signature(fn).bind(None, None, None, None, **r.function_kwargs, **({"tools": None} if takes_tools
+                                                                                  else {}))
+    except TypeError as e:
+        raise ConfigError(f"rollout.function_kwargs: {r.function!r} does not take them ({e})") from None
+    for path in recipe.tools.functions:
+        tool_schema(path)
+    parsers.resolve(recipe.tools.parser)

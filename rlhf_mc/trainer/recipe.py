@@ -15,7 +15,7 @@ import yaml
 
 from rlhf_mc.algorithms.core import KLEstimator
 from rlhf_mc.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig, RolloutConfig,
-                            RouterConfig, check_at_least, from_dict, load_yaml)
+                            RouterConfig, ToolsConfig, check_at_least, from_dict, load_yaml)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -166,7 +166,8 @@ class AlgorithmSection:
 @dataclasses.dataclass(frozen=True)
 class RewardSection:
     # a built-in rule ("math", "format", "math_and_format") or an import path "package.module:function" called as
-    # fn(response: str, answer: str, prompt: str, **kwargs) -> float; "" = none (a reward model alone)
+    # fn(response: str, answer: str, prompt: str, **kwargs) -> float, and with messages=<the exchange after the
+    # prompt> when it has a `messages` parameter (multi-turn); "" = none (a reward model alone)
     function: str = "math"
     # a learned reward: an HF sequence-classification checkpoint (one label) run as its own Megatron worker group;
     # its score of prompt + response is added to the rule's
@@ -196,9 +197,12 @@ class SFTSection:
     """Supervised fine-tuning on prompt/response rows; in an RL recipe a first stage that runs when the run has no
     checkpoint yet (the warm start)."""
 
-    data_path: str = ""  # jsonl/parquet with prompt_key and response_key; empty = no SFT stage
+    data_path: str = ""  # jsonl/parquet with prompt_key and response_key (or messages_key); empty = no SFT stage
     only: bool = False  # an SFT job: stop after the SFT stage (its model is <output_dir>/init_hf)
     response_key: str = "response"
+    # rows are conversations (chat messages, tool calls and results included) under this key, trained on their
+    # assistant turns, tokenized as the multi-turn rollouts hold them (data/chat.py); needs data.chat_template
+    messages_key: str = ""
     steps: int = 0
     batch_size: int = 32  # sequences per step
     optim: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(lr=1e-5))
@@ -258,8 +262,18 @@ class Recipe:
     sft: SFTSection = dataclasses.field(default_factory=SFTSection)
     resources: ResourcesSection = dataclasses.field(default_factory=ResourcesSection)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    # tools the policy calls in multi-turn rollouts (rollout.function rlhf_mc.rollout.multi_turn:tool_loop); their
+    # schemas go into the prompts' and SFT conversations' chat template
+    tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
 
     def __post_init__(self):
+        if self.tools != ToolsConfig() and not self.tools.functions:
+            raise ConfigError("tools: settings given but no tools.functions")
+        if self.tools.functions and not self.data.chat_template:
+            raise ConfigError("tools.functions: tool calls and results are chat messages; set data.chat_template=true")
+        if self.sft.messages_key and not self.data.chat_template:
+            raise ConfigError(f"sft.messages_key: {self.sft.messages_key!r}: conversations are tokenized through the "
+                              "chat template; set data.chat_template=true")
         # One section type serves the actor and the critic: each reads only its own loss fields.
         if self.critic.loss != PolicyLossConfig():
             raise ConfigError("critic.loss: the critic's loss is the clipped value loss (critic.value_clip); the "

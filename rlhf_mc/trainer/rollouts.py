@@ -13,6 +13,7 @@ from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rewards.shaping import overlong_penalty
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.sync.weights import check_versions
+from rlhf_mc.tools.executor import ToolExecutor
 from rlhf_mc.trainer.metrics import Timer
 from rlhf_mc.trainer.recipe import Recipe
 
@@ -22,8 +23,15 @@ class RolloutManager:
         self.recipe, self.tokenizer, self.scorer, self.reward_model = recipe, tokenizer, scorer, reward_model
         self.generate = functools.partial(cluster.generate, restore=schedule.restore_engine)
         r = recipe.rollout
-        self.function = functools.partial(import_by_path("rollout.function", r.function), **r.function_kwargs)
+        # a multi-turn function gets the recipe's tools (trainer/plan.check_launch: only one that takes them)
+        self.tools = ToolExecutor(recipe.tools) if recipe.tools.functions else None
+        self.function = functools.partial(import_by_path("rollout.function", r.function), **r.function_kwargs,
+                                          **({"tools": self.tools} if self.tools else {}))
         self.keep_group = import_by_path("algorithm.group_filter", recipe.algorithm.group_filter)
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
 
     def rollout(self, prompts: list[Prompt], sampling: SamplingParams) -> list[Sample]:
         return self.function(self.generate, prompts, sampling, self.tokenizer)
@@ -45,6 +53,7 @@ class RolloutManager:
             check_versions([v for s in samples for v, m in zip(s.versions, s.loss_mask) if m], version)
             answered = [s for s in samples if any(s.loss_mask)]
             stats["data/samples_empty"] += len(prompts) * sampling.n - len(answered)
+            stats.update(trajectory_stats(answered))
             with timer("reward"):
                 scores, reward_stats = self.score(prompts, answered)
             for k, v in reward_stats.items():  # counts add up over rounds; means are the last round's
@@ -78,7 +87,8 @@ class RolloutManager:
         if self.scorer is not None:
             scores, stats = self.scorer.score([s.text for s in samples],
                                               [prompts[s.prompt_index].answer for s in samples],
-                                              [prompts[s.prompt_index].text for s in samples])
+                                              [prompts[s.prompt_index].text for s in samples],
+                                              [s.messages for s in samples])
         if self.reward_model is not None:
             learned = self.reward_model.score([s.tokens for s in samples])
             scores = [a + b for a, b in zip(scores, learned)]
@@ -99,7 +109,8 @@ class RolloutManager:
         scores, _ = self.score(prompts, samples)
         correct = self.recipe.reward.correct_score
         out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores),
-               "val/reward": sum(scores) / len(scores)}
+               "val/reward": sum(scores) / len(scores),
+               **{k.replace("rollout/", "val/"): v for k, v in trajectory_stats(samples).items()}}
         if r.val_n > 1:
             sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                       max_new_tokens=max_new, stop_token_ids=eos)
@@ -108,3 +119,10 @@ class RolloutManager:
             solved = {s.prompt_index for s, score in zip(samples, scores) if score >= correct}
             out[f"val/pass@{r.val_n}"] = len(solved) / len(prompts)
         return out
+
+
+def trajectory_stats(samples: list[Sample]) -> dict[str, float]:
+    """The means over samples of what the rollout function counted per trajectory (multi-turn: turns, tool calls,
+    tool errors, ...), as rollout/<name>."""
+    names = sorted({k for s in samples for k in s.stats})
+    return {f"rollout/{k}": sum(s.stats.get(k, 0) for s in samples) / len(samples) for k in names}
