@@ -54,3 +54,48 @@ def sglang_engine(tiny_hf_model, tmp_path_factory):
     engine.shutdown()
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"], \
         "SGLang processes left behind after shutdown"
+
+
+# A ChatML/Qwen2.5-style chat template written for the tests: the tools' schemas in the system prompt, consecutive
+# tool results gathered in one user turn inside <tool_response> tags (Qwen2.5's layout).
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\nYou may call functions.\\n<tools>' }}{%- for tool in tools %}"
+    "{{ '\\n' + (tool | tojson) }}{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{%- endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def write_chat_tokenizer(out: Path) -> Path:
+    """A character-level tokenizer with ChatML special tokens (eos <|im_end|> = 1, the tiny models' eos) and the
+    Qwen-style template above; 107 tokens, inside the tiny models' vocabulary of 256."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<|im_end|>", "<|im_start|>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    fast.chat_template = QWEN_STYLE_TEMPLATE
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer")))
