@@ -105,3 +105,24 @@ def test_prepare_gsm8k_from_local_files(tmp_path, tokenizer):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "q", "answer": "no final"}) + "\n")
     assert main(["gsm8k", "--out", str(tmp_path / "out2"), "--input", str(tmp_path / "bad.jsonl")]) == 2
     assert not (tmp_path / "out2").exists()
+
+
+def test_sft_conversations_train_on_the_assistant_turns():
+    """The tool recipe's demonstrations: tokenized as the rollouts hold them, the loss on the assistant turns."""
+    from transformers import AutoTokenizer
+
+    path = REPO / "recipes/data/calc/sft.jsonl"
+    tokenizer = AutoTokenizer.from_pretrained(path.parent)
+    rows = read_rows(path)
+    examples = load_sft(path, tokenizer, "prompt", "response", True, 64, "messages")
+    assert len(examples) == len(rows)
+    with_tool = next(i for i, row in enumerate(rows) if len(row["messages"]) == 4)
+    ids, mask = examples[with_tool]
+    user, call, result, answer = rows[with_tool]["messages"]
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == \
+        f"{call['content']}<|im_end|>{answer['content']}<|im_end|>"
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if not m]) == (
+        f"<|im_start|>user\n{user['content']}<|im_end|>\n<|im_start|>assistant\n"
+        f"\n<|im_start|>tool\n{result['content']}<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match="row 0: 'prompt' must be a list of chat messages"):
+        load_sft(path, tokenizer, "prompt", "response", True, 64, "prompt")

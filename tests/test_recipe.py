@@ -91,6 +91,8 @@ def test_overrides_parse_yaml_values():
     assert recipe.actor.optim.lr == 1e-3  # YAML 1.1 reads "1e-3" as a string; the schema takes it as a float
 
 
+TOOL_LOOP = ["rollout.function=rlhf_mc.rollout.multi_turn:tool_loop", "data.chat_template=true",
+             "tools.functions=[rlhf_mc.tools.builtin:calculator]"]
 BAD = [
     (["actor.optim.lrr=1"], "actor.optim.lrr: unknown key"),
     (["actor.optim.lr=fast"], "actor.optim.lr: expected float, got str 'fast'"),
@@ -158,6 +160,21 @@ BAD = [
     (["rollout.function=tests.nothing:here"], "rollout.function: cannot import 'tests.nothing:here'"),
     (["algorithm.dynamic_sampling_max_rounds=2", "rollout.n=2", "algorithm.group_filter=json"],
      "algorithm.group_filter: 'json' is not 'package.module:function'"),
+    # multi-turn rollouts with tools
+    (["tools.max_turns=2"], "tools: settings given but no tools.functions"),
+    (["tools.functions=[rlhf_mc.tools.builtin:calculator]"],
+     "tools.functions: tool calls and results are chat messages; set data.chat_template=true"),
+    (["tools.functions=[rlhf_mc.tools.builtin:calculator]", "tools.timeout_s=0"], "tools.timeout_s: must be > 0"),
+    (["sft.messages_key=messages"], "sft.messages_key: 'messages': conversations are tokenized through the chat"),
+    (["tools.functions=[rlhf_mc.tools.builtin:calculator]", "data.chat_template=true"],
+     "tools.functions: rollout.function 'rlhf_mc.rollout.functions:single_turn' takes no tools"),
+    (["rollout.function=rlhf_mc.rollout.multi_turn:tool_loop"],
+     "rollout.function: 'rlhf_mc.rollout.multi_turn:tool_loop' calls tools; list them in tools.functions"),
+    (["rollout.function_kwargs={turns: 3}"],
+     "rollout.function_kwargs: 'rlhf_mc.rollout.functions:single_turn' does not take them"),
+    ([*TOOL_LOOP, "tools.functions=[rlhf_mc.tools.builtin:nothing]"], "tools.functions: cannot import"),
+    ([*TOOL_LOOP, "tools.parser=xml"], "tools.parser: 'xml' is neither a built-in"),
+    (TOOL_LOOP, "data.chat_template: the tokenizer has no chat template"),
     # mixture of experts
     (["actor.parallel.ep=2", "resources.devices_per_node=2"],
      "actor.parallel.ep: 2 needs a mixture-of-experts model; tiny-arith is dense"),

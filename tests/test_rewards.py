@@ -71,3 +71,17 @@ def test_scorer_kwargs_and_builtin():
         resolve("tests.test_rewards:nope")
     with pytest.raises(ConfigError, match="is not callable"):
         resolve("tests.test_rewards:__name__")
+
+
+def final_answer_after_a_tool(response: str, answer: str, prompt: str, messages: list[dict]) -> float:
+    """A multi-turn reward: the answer counts only after a calculator call."""
+    return float(response == answer and any(m["role"] == "tool" for m in messages or []))
+
+
+def test_functions_with_a_messages_parameter_get_the_exchange():
+    exchange = [{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "42"},
+                {"role": "assistant", "content": "42"}]
+    scorer = RewardScorer("tests.test_rewards:final_answer_after_a_tool")
+    assert scorer.score(["42", "42"], ["42", "42"], ["", ""], [exchange, exchange[2:]])[0] == [1.0, 0.0]
+    # functions without the parameter are called as before
+    assert RewardScorer("math").score(["42"], ["42"], [""], [exchange])[0] == [1.0]

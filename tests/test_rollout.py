@@ -96,6 +96,26 @@ def test_context_limit_is_reported_not_cut(sglang_engine):
     assert engine.stats["prompt_over_context"] == before.get("prompt_over_context", 0) + 1
 
 
+def test_sessions_pick_engines_and_budgets_are_per_prompt(sglang_engine):
+    """Two clients' worth of engines (the one server attached twice): each session's requests go to engine
+    session % 2, whatever the load; per-prompt max_new_tokens cap each response, the context still caps all."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    address = sglang_engine.urls[0].removeprefix("http://")
+    engines = SGLangEngine(RolloutConfig(addresses=(address, address), num_engines=2))
+    sessions = [5, 2, 2, 7, 4]
+    samples = engines.generate([[5, 6, 7]] * 5, SamplingParams(temperature=0, max_new_tokens=9, n=2), sessions)
+    assert [s.engine for s in samples] == [session % 2 for session in sessions for _ in range(2)]
+    near_limit = [3] * sglang_engine.max_prompt_length
+    samples = sglang_engine.generate([[5, 6, 7], [8, 9], near_limit], SamplingParams(temperature=0, max_new_tokens=9),
+                                     max_new_tokens=[1, 4, 50])
+    assert [len(s.response_ids) for s in samples[:2]] == [1, 4] and samples[1].finish_reason == "length"
+    assert samples[2].finish_reason == "context_length"
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\]: must be >= 1, got 0"):
+        sglang_engine.generate([[5], [6]], SamplingParams(), max_new_tokens=[3, 0])
+
+
 def test_seed_needs_a_deterministic_engine(sglang_engine):
     with pytest.raises(ValueError, match="sampling.seed: SGLang honours per-sample seeds only with "
                                          "rollout.deterministic=true"):

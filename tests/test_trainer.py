@@ -346,3 +346,23 @@ def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records if "rollout/logprob_diff" in r)
     model, info = T.AutoModelForCausalLM.from_pretrained(out / "final_hf", output_loading_info=True)
     assert type(model).__name__ == "Qwen3MoeForCausalLM" and not any(info.values()), info
+
+
+def test_tool_recipe_trains_on_multi_turn_trajectories(tmp_path):
+    """recipes/tool_calculator.yaml for two steps after a short SFT on its tool-calling conversations: the rollouts
+    call the calculator in the sandbox and go on after its result, and the trainer's log-probs of the sampled tokens
+    of these multi-turn trajectories equal the engine's (the inserted tokens are the ones the engine saw)."""
+    out = tmp_path / "tool"
+    _finish(_start(out, ["recipes/tool_calculator.yaml", "sft.steps=100", "trainer.total_steps=2",
+                         "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_size=16",
+                         "trainer.loggers=[jsonl]"]), out)
+    steps = _metrics(out)
+    assert sorted(steps) == [1, 2]
+    assert sum(m["rollout/tool_calls"] for m in steps.values()) > 0
+    for metrics in steps.values():
+        assert metrics["actor/grad_norm"] > 0
+        assert metrics["rollout/turns"] == 1 + metrics["rollout/tool_calls"] - metrics["rollout/truncated"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val/tool_calls" in r] == [0, 2]
+    diffs = [r["rollout/logprob_diff"] for r in records if "rollout/logprob_diff" in r]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs

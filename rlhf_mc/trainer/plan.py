@@ -247,7 +247,8 @@ def check_launch(recipe: Recipe) -> None:
 
 def _check_rollout_function(recipe: Recipe) -> None:
     """The rollout function imports and takes its arguments: rollout.function_kwargs by name, and the recipe's tools
-    exactly when it has a `tools` parameter; the tools import and have schemas, the tool-call parser imports."""
+    exactly when it has a `tools` parameter; the tools import and have schemas, the tool-call parser imports, and
+    the tokenizer's chat template can hold conversations token by token (data/chat.py)."""
     from rlhf_mc.tools import parsers
     from rlhf_mc.tools.executor import tool_schema
 
@@ -267,3 +268,9 @@ def _check_rollout_function(recipe: Recipe) -> None:
     for path in recipe.tools.functions:
         tool_schema(path)
     parsers.resolve(recipe.tools.parser)
+    if recipe.tools.functions or recipe.sft.messages_key:  # conversations go through the template: it must allow
+        from transformers import AutoTokenizer
+
+        from rlhf_mc.data.chat import Conversation
+
+        Conversation.of(AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path))
