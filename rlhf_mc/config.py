@@ -48,6 +48,16 @@ def import_by_path(field: str, path: str) -> Any:
     return fn
 
 
+def builtin_or_import(field: str, name: str, builtins: dict[str, Any]) -> Any:
+    """`builtins[name]`, or the callable at 'package.module:function'; a ConfigError naming `field` otherwise."""
+    if name in builtins:
+        return builtins[name]
+    if ":" not in name:
+        raise ConfigError(f"{field}: {name!r} is neither a built-in ({', '.join(builtins)}) nor "
+                          "'package.module:function'")
+    return import_by_path(field, name)
+
+
 def _check_type(value: Any, tp: Any, path: str) -> Any:
     """Returns `value` converted to `tp` where that is lossless (int -> float), else raises ConfigError."""
     origin = typing.get_origin(tp)

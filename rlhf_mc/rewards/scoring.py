@@ -8,19 +8,14 @@ import inspect
 import logging
 from typing import Callable
 
-from rlhf_mc.config import ConfigError, import_by_path
+from rlhf_mc.config import builtin_or_import
 from rlhf_mc.rewards.rules import BUILTIN
 
 log = logging.getLogger(__name__)
 
 
 def resolve(name: str) -> Callable[..., float]:
-    if name in BUILTIN:
-        return BUILTIN[name]
-    if ":" not in name:
-        raise ConfigError(f"reward.function: {name!r} is neither a built-in ({', '.join(BUILTIN)}) nor "
-                          "'package.module:function'")
-    return import_by_path("reward.function", name)
+    return builtin_or_import("reward.function", name, BUILTIN)
 
 
 class RewardScorer:

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Callable
 
-from rlhf_mc.config import ConfigError, import_by_path
+from rlhf_mc.config import builtin_or_import
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -43,9 +43,4 @@ PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes}
 
 
 def resolve(name: str) -> Callable[[str], list[ToolCall]]:
-    if name in PARSERS:
-        return PARSERS[name]
-    if ":" not in name:
-        raise ConfigError(f"tools.parser: {name!r} is neither a built-in ({', '.join(PARSERS)}) nor "
-                          "'package.module:function'")
-    return import_by_path("tools.parser", name)
+    return builtin_or_import("tools.parser", name, PARSERS)
