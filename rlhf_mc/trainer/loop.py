@@ -12,6 +12,9 @@ import math
 import random
 import shutil
 import threading
+import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -261,12 +264,32 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     stop.in_steps = True
     if val_prompts and step == 0:
         logger.log(0, rollouts.validate(val_prompts))
+    # The rollouts run in their own thread: in one_step_off mode the next step's overlaps this step's training (on
+    # the weights the engines hold); in sync mode each one is awaited as soon as it starts. A rollout still under
+    # way when the run stops is dropped: a resumed run generates that step's batch again, with its own weights.
+    rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+    busy: list[tuple[float, float]] = []  # when the engines generated (the rollouts' start and end)
+
+    def start_rollout(for_step: int) -> Future:
+        epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, for_step, trainer.seed, data.shuffle)
+        more_prompts = functools.partial(_more_prompts, train_prompts, data.train_batch_size, trainer.seed, for_step)
+
+        def rollout():
+            times, start = Timer(), time.perf_counter()
+            batch, stats = rollouts.sample([train_prompts[i] for i in rows], sampling, for_step, more_prompts, times)
+            busy.append((start, time.perf_counter()))
+            return epoch, batch, stats, times.times
+
+        return rollout_thread.submit(rollout)
+
+    pending = None
     while step < total_steps:
+        started = time.perf_counter()
         with timer("step"):
-            epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)
-            more_prompts = functools.partial(_more_prompts, train_prompts, data.train_batch_size, trainer.seed, step)
-            batch, sample_stats = rollouts.sample([train_prompts[i] for i in rows], sampling, step, more_prompts,
-                                                  timer)
+            pending = pending or start_rollout(step)
+            with timer("wait_rollout"):
+                epoch, batch, sample_stats, rollout_times = pending.result()
+            pending = start_rollout(step + 1) if r.mode == "one_step_off" and step + 1 < total_steps else None
             schedule.after_rollout(timer)
             entropy = None
             if not recipe.old_logprobs_from_update:
@@ -300,10 +323,14 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
             if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
                 with timer("save"):
                     _save(actor, critic, run_dir, {"step": step, "kl_coef": kl_coef}, trainer.keep_checkpoints)
+            if pending is not None:  # the engines end the next step's rollout on the weights they hold, then sync
+                with timer("wait_rollout"):
+                    futures.wait([pending])
             sync_metrics = schedule.before_rollout(step, timer)
         metrics = _step_metrics(batch, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
                                 recipe.reward.correct_score)
-        metrics.update(sync_metrics, **kl_metrics, **timer.times,
+        metrics.update(sync_metrics, **kl_metrics, **timer.times, **rollout_times,
+                       **_idle(timer.times, busy, started, time.perf_counter()),
                        **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
         timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
@@ -315,6 +342,12 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
             break
     stop.in_steps = False
     return metrics
+
+
+def _idle(times: dict[str, float], busy: list[tuple[float, float]], start: float, end: float) -> dict:
+    """The step's idle seconds: the trainer's waiting for rollouts, and the engines' time between rollouts."""
+    generating = sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy)
+    return {"idle/trainer_s": times["timing/wait_rollout_s"], "idle/engines_s": max(0.0, end - start - generating)}
 
 
 def _more_prompts(prompts: list[Prompt], size: int, seed: int, step: int, round_: int) -> list[Prompt]:

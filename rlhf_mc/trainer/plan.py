@@ -92,6 +92,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     engine = recipe.rollout.engine
     rollout_devices = 0 if engine.addresses else engine.num_engines * engine.tp  # attached: not ours to place
     colocated = recipe.rollout.placement == "colocated"
+    if recipe.rollout.mode != "sync" and colocated and not engine.addresses:
+        raise ConfigError(f"rollout.mode: {recipe.rollout.mode} generates while the actor trains: the engines need "
+                          "devices of their own (rollout.placement=disaggregated, or rollout.engine.addresses)")
     if colocated:
         if rollout_devices > devices:
             raise ConfigError(f"rollout.engine: num_engines*tp = {rollout_devices} exceeds the {devices} devices "

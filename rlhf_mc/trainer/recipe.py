@@ -61,6 +61,11 @@ class RolloutSection:
     val_n: int = 1  # samples per held-out prompt: pass@val_n is logged besides greedy accuracy
     val_temperature: float = 1.0  # for the pass@k samples (accuracy is always greedy)
     placement: Literal["colocated", "disaggregated"] = "colocated"
+    # sync: each step's rollout uses the weights the step trains (on-policy); one_step_off: the rollout of step k+1
+    # runs while the actor trains on step k, so every trained token is at most one weight version old (the
+    # engines need devices of their own; the old log-probs come from a forward pass of the weights being trained,
+    # the proximal policy of decoupled PPO, and actor.loss.tis_cap / reject correct for the behaviour policy)
+    mode: Literal["sync", "one_step_off"] = "sync"
     sync_transport: Literal["auto", "tensor", "distributed", "disk"] = "auto"  # auto: tensor if colocated
     sync_bucket_mb: int = 256
     engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # model_path comes from the actor
@@ -292,9 +297,10 @@ class Recipe:
     @property
     def old_logprobs_from_update(self) -> bool:
         """The step's one optimizer step computes the old log-probs (see skip_on_policy_old_logprobs); the KL in
-        the reward needs them before the advantages, so it keeps the forward."""
+        the reward needs them before the advantages, so it keeps the forward, and so does an off-policy mode (its
+        samples come from older weights than the ones trained)."""
         actor = self.actor
-        return (self.algorithm.skip_on_policy_old_logprobs and actor.ppo_epochs == 1
+        return (self.rollout.mode == "sync" and self.algorithm.skip_on_policy_old_logprobs and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size in (0, self.data.train_batch_size)
                 and self.algorithm.kl_in_reward_coef == 0)
 
