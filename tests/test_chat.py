@@ -9,6 +9,7 @@ turn (which the model never samples)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_dropping_the_closing_newline_drifts(chat_tokenizer):
     """The classic drift: the model stops at <|im_end|>; without the template's "\\n" after it every later turn is
     conditioned on a context the template never produces."""
     chat = Conversation.of(chat_tokenizer)
-    drifting = Conversation(chat.tokenizer, chat.end_of_turn, ())
+    drifting = dataclasses.replace(chat, after_turn=())
     full = list(chat_tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=True, return_dict=False))
     assert drifting.tokens(CONVERSATION, TOOLS)[0] != full[:-1]
 

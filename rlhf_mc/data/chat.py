@@ -42,20 +42,21 @@ class Conversation:
     tokenizer: object
     end_of_turn: int
     after_turn: tuple[int, ...]
+    base: tuple[int, ...]  # the stand-in conversation, rendered: what insert() subtracts
 
     @staticmethod
     def of(tokenizer) -> "Conversation":
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("data.chat_template: the tokenizer has no chat template; multi-turn rollouts need one")
         eos = tokenizer.eos_token_id
-        opened = _render(tokenizer, _BASE[:1], True)
-        closed = _tail(_render(tokenizer, _BASE, False), opened, "an assistant message")
+        opened, base = _render(tokenizer, _BASE[:1], True), _render(tokenizer, _BASE, False)
+        closed = _tail(base, opened, "an assistant message")
         if eos not in closed:
             raise ConfigError(f"chat template: an assistant turn does not end with the eos token "
                               f"{tokenizer.eos_token!r} (rendered {tokenizer.decode(closed)!r}); the model's turns "
                               "could not end")
         end = len(closed) - 1 - closed[::-1].index(eos)
-        return Conversation(tokenizer, eos, tuple(closed[end + 1:]))
+        return Conversation(tokenizer, eos, tuple(closed[end + 1:]), tuple(base))
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation so far, rendered, with the generation prompt: where the first sampled turn starts."""
@@ -64,9 +65,8 @@ class Conversation:
     def insert(self, messages: Sequence[dict]) -> list[int]:
         """The tokens that follow an assistant turn ended by `end_of_turn`: the rest of the template's closing text,
         `messages` (tool results, user turns) and the next generation prompt."""
-        base = _render(self.tokenizer, _BASE, False)
         full = _render(self.tokenizer, _BASE + list(messages), True)
-        return list(self.after_turn) + _tail(full, base, f"{[m['role'] for m in messages]} messages")
+        return list(self.after_turn) + _tail(full, list(self.base), f"{[m['role'] for m in messages]} messages")
 
     def assistant(self, content: str) -> list[int]:
         """An assistant turn as the model samples it: its content's tokens and the end-of-turn token."""

@@ -340,6 +340,7 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
         if stop():
             log.warning("stopped after step %d, as asked", step)
             break
+    rollout_thread.shutdown(wait=False)
     stop.in_steps = False
     return metrics
 
