@@ -355,7 +355,7 @@ def test_tool_recipe_trains_on_multi_turn_trajectories(tmp_path):
     out = tmp_path / "tool"
     _finish(_start(out, ["recipes/tool_calculator.yaml", "sft.steps=100", "trainer.total_steps=2",
                          "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_size=16",
-                         "trainer.loggers=[jsonl]"]), out)
+                         "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes"]), out)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     assert sum(m["rollout/tool_calls"] for m in steps.values()) > 0
