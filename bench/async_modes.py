@@ -1,7 +1,7 @@
 """Rollout modes on CPU: samples/s and trained tokens/s of sync vs one_step_off, in the same invocation, with the
 idle fractions of the trainer (waiting for rollouts) and of the engines (between rollouts).
 
-    python bench/async_modes.py [--steps 8] [--response-length 56] [--prompts 16] [--n 8]
+    python bench/async_modes.py [--steps 8] [--response-length 54] [--prompts 16] [--n 8]
 
 Each mode runs the quickstart recipe through tools/launch.py from the same random-init model on two processes (the
 actor on one, the SGLang engine on the other: rollout.placement=disaggregated, which one_step_off needs and sync
@@ -56,7 +56,7 @@ def run(mode: str, out: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=56)
+    parser.add_argument("--response-length", type=int, default=54)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     args = parser.parse_args()
