@@ -39,9 +39,7 @@ def tool_loop(generate: Callable[..., list[RolloutSample]], prompts: list[Prompt
     chat, limits = Conversation.of(tokenizer), tools.config
     budget = sampling.max_new_tokens
     outs = generate([p.ids for p in prompts], sampling, sessions=list(range(len(prompts))))
-    samples = [Sample(o.prompt_index, list(prompts[o.prompt_index].ids), [False] * len(prompts[o.prompt_index].ids),
-                      [0.0] * len(prompts[o.prompt_index].ids), [NOT_SAMPLED] * len(prompts[o.prompt_index].ids),
-                      "", "", messages=[], stats=dict.fromkeys(STATS, 0)) for o in outs]
+    samples = [_started(prompts[o.prompt_index].ids, o.prompt_index) for o in outs]
     prompt_lengths = [len(s.tokens) for s in samples]
     live = list(range(len(samples)))
     for turn in range(limits.max_turns):
@@ -84,6 +82,13 @@ def tool_loop(generate: Callable[..., list[RolloutSample]], prompts: list[Prompt
         if not live:
             break
     return samples
+
+
+def _started(prompt: list[int], prompt_index: int) -> Sample:
+    """A trajectory holding its prompt: no token sampled yet."""
+    n = len(prompt)
+    return Sample(prompt_index, list(prompt), [False] * n, [0.0] * n, [NOT_SAMPLED] * n, "", "", messages=[],
+                  stats=dict.fromkeys(STATS, 0))
 
 
 def _append_turn(sample: Sample, out: RolloutSample, tokenizer) -> None:

@@ -116,7 +116,7 @@ class RolloutManager:
         correct = self.recipe.reward.correct_score
         out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores),
                "val/reward": sum(scores) / len(scores),
-               **{k.replace("rollout/", "val/"): v for k, v in trajectory_stats(samples).items()}}
+               **trajectory_stats(samples, "val")}
         if r.val_n > 1:
             sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                       max_new_tokens=max_new, stop_token_ids=eos)
@@ -127,8 +127,8 @@ class RolloutManager:
         return out
 
 
-def trajectory_stats(samples: list[Sample]) -> dict[str, float]:
+def trajectory_stats(samples: list[Sample], prefix: str = "rollout") -> dict[str, float]:
     """The means over samples of what the rollout function counted per trajectory (multi-turn: turns, tool calls,
-    tool errors, ...), as rollout/<name>."""
+    tool errors, ...), as <prefix>/<name>."""
     names = sorted({k for s in samples for k in s.stats})
-    return {f"rollout/{k}": sum(s.stats.get(k, 0) for s in samples) / len(samples) for k in names}
+    return {f"{prefix}/{k}": sum(s.stats.get(k, 0) for s in samples) / len(samples) for k in names}
