@@ -96,7 +96,7 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
             box = [[]]
             for client in clients:
                 samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-                check_versions([s.weight_version for s in samples], version)
+                check_versions([v for s in samples for v in s.versions], version)
                 box[0].append([(s.response_ids, s.logprobs) for s in samples])
         torch.distributed.broadcast_object_list(box, src=0)
         actor = [_actor_logprobs(chunks, [r for r, _ in per_engine]) for per_engine in box[0]]
@@ -112,7 +112,7 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
 
         write_hf_checkpoint(iter(exported), Path(export_dir))
         out["versions"] = [client.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=1))[0]
-                           .weight_version for client in clients]
+                           .versions[-1] for client in clients]
     return out
 
 
@@ -203,7 +203,7 @@ def _sync_once(model_dir: str, address: str, kill_pid: int | None = None) -> dic
     box = [None]
     if torch.distributed.get_rank() == 0 and not out["failed"]:
         samples = transport.client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
-        check_versions([s.weight_version for s in samples], 1)
+        check_versions([v for s in samples for v in s.versions], 1)
         box = [[(s.response_ids, s.logprobs) for s in samples]]
     torch.distributed.broadcast_object_list(box, src=0)
     if box[0] is not None:

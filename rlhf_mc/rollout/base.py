@@ -46,7 +46,9 @@ class RolloutSample:
     response_ids: list[int]
     logprobs: list[float]  # one per response token, see the module docstring
     finish_reason: FinishReason
-    weight_version: int  # version of the weights that generated it (-1: the engine's launch weights)
+    # per response token: the version of the weights that generated it (-1: the engine's launch weights); a
+    # response generated across a weight update (a partial rollout) has the old version, then the new
+    versions: list[int]
     engine: int = 0  # which engine served it
     # mixture-of-experts models (RolloutConfig.return_routed_experts): [prompt + response tokens - 1, layers * top-k]
     # int16, the experts each token was routed to in each layer, in the router's order; the last token was never

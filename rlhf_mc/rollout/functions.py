@@ -29,7 +29,7 @@ def single_turn(generate: Callable[[list[list[int]], SamplingParams], list[Rollo
         if s.routed_experts is not None:  # the engine never ran the last token
             routed = torch.cat([s.routed_experts, s.routed_experts.new_full((1, s.routed_experts.size(1)), -1)])
         out.append(Sample(s.prompt_index, prompt + s.response_ids, [False] * len(prompt) + [True] * n,
-                          [0.0] * len(prompt) + list(s.logprobs), [NOT_SAMPLED] * len(prompt) + [s.weight_version] * n,
+                          [0.0] * len(prompt) + list(s.logprobs), [NOT_SAMPLED] * len(prompt) + s.versions,
                           s.finish_reason, tokenizer.decode(s.response_ids, skip_special_tokens=True), routed))
     return out
 

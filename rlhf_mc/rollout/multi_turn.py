@@ -95,7 +95,7 @@ def _append_turn(sample: Sample, out: RolloutSample, tokenizer) -> None:
     sample.tokens += out.response_ids
     sample.loss_mask += [True] * len(out.response_ids)
     sample.logprobs += out.logprobs
-    sample.versions += [out.weight_version] * len(out.response_ids)
+    sample.versions += out.versions
     sample.stats["turns"] += 1
     if out.routed_experts is not None:  # the whole conversation so far; the engine never ran its last token
         sample.routed_experts = out.routed_experts.new_full((len(sample.tokens), out.routed_experts.size(1)), -1)

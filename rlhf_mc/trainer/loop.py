@@ -33,6 +33,7 @@ from rlhf_mc.trainer.colocation import ColocationSchedule
 from rlhf_mc.trainer.metrics import MetricsLogger, Timer
 from rlhf_mc.trainer.placement import Cluster
 from rlhf_mc.trainer.rollouts import RolloutManager
+from rlhf_mc.trainer.stream import RolloutStream
 from rlhf_mc.trainer.plan import Plan
 from rlhf_mc.trainer.recipe import Recipe, model_config, to_dict
 
@@ -265,30 +266,48 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     if val_prompts and step == 0:
         logger.log(0, rollouts.validate(val_prompts))
     # The rollouts run in their own thread: in one_step_off mode the next step's overlaps this step's training (on
-    # the weights the engines hold); in sync mode each one is awaited as soon as it starts. A rollout still under
-    # way when the run stops is dropped: a resumed run generates that step's batch again, with its own weights.
+    # the weights the engines hold); in sync mode each one is awaited as soon as it starts. In async mode groups
+    # stream in under the staleness bound (trainer/stream.py). A rollout still under way when the run stops is
+    # dropped: a resumed run generates that step's batch again, with its own weights.
     rollout_thread = ThreadPoolExecutor(1, thread_name_prefix="rollout")
     busy: list[tuple[float, float]] = []  # when the engines generated (the rollouts' start and end)
 
+    def step_prompts(for_step: int) -> list[Prompt]:
+        rows = batch_for_step(len(train_prompts), data.train_batch_size, for_step, trainer.seed, data.shuffle)[1]
+        return [train_prompts[i] for i in rows]
+
     def start_rollout(for_step: int) -> Future:
-        epoch, rows = batch_for_step(len(train_prompts), data.train_batch_size, for_step, trainer.seed, data.shuffle)
         more_prompts = functools.partial(_more_prompts, train_prompts, data.train_batch_size, trainer.seed, for_step)
 
         def rollout():
             times, start = Timer(), time.perf_counter()
-            batch, stats = rollouts.sample([train_prompts[i] for i in rows], sampling, for_step, more_prompts, times)
+            batch, stats = rollouts.sample(step_prompts(for_step), sampling, for_step, more_prompts, times)
             busy.append((start, time.perf_counter()))
-            return epoch, batch, stats, times.times
+            return batch, stats, times.times
 
         return rollout_thread.submit(rollout)
+
+    stream = None
+    if r.mode == "async":
+        stream = RolloutStream(rollouts.rollout, step_prompts, sampling, data.train_batch_size, r.staleness_bound,
+                               step, total_steps)
+        stream.weights_updated(step)
+
+    def streamed(for_step: int) -> tuple:
+        prompts, samples, span = stream.take(for_step)
+        times = Timer()
+        batch, stats = rollouts.sample(prompts, sampling, for_step, None, times, samples)
+        return batch, stats, {**times.times, "timing/rollout_s": span}
 
     pending = None
     while step < total_steps:
         started = time.perf_counter()
+        epoch = batch_for_step(len(train_prompts), data.train_batch_size, step, trainer.seed, data.shuffle)[0]
         with timer("step"):
-            pending = pending or start_rollout(step)
+            if stream is None:
+                pending = pending or start_rollout(step)
             with timer("wait_rollout"):
-                epoch, batch, sample_stats, rollout_times = pending.result()
+                batch, sample_stats, rollout_times = streamed(step) if stream else pending.result()
             pending = start_rollout(step + 1) if r.mode == "one_step_off" and step + 1 < total_steps else None
             schedule.after_rollout(timer)
             entropy = None
@@ -327,10 +346,13 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
                 with timer("wait_rollout"):
                     futures.wait([pending])
             sync_metrics = schedule.before_rollout(step, timer)
+            if stream is not None:
+                stream.weights_updated(step)
         metrics = _step_metrics(batch, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
                                 recipe.reward.correct_score)
         metrics.update(sync_metrics, **kl_metrics, **timer.times, **rollout_times,
-                       **_idle(timer.times, busy, started, time.perf_counter()),
+                       **_idle(timer.times, stream.busy_since(started) if stream else busy, started,
+                               time.perf_counter()),
                        **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
         timer = Timer()
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
@@ -341,13 +363,20 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
             log.warning("stopped after step %d, as asked", step)
             break
     rollout_thread.shutdown(wait=False)
+    if stream is not None:
+        stream.close()
     stop.in_steps = False
     return metrics
 
 
 def _idle(times: dict[str, float], busy: list[tuple[float, float]], start: float, end: float) -> dict:
-    """The step's idle seconds: the trainer's waiting for rollouts, and the engines' time between rollouts."""
-    generating = sum(max(0.0, min(b, end) - max(a, start)) for a, b in busy)
+    """The step's idle seconds: the trainer's waiting for rollouts, and the engines' time between rollouts (the
+    union of `busy`, whose spans overlap in async mode)."""
+    generating, reached = 0.0, start
+    for a, b in sorted(busy):
+        a, b = max(a, reached), min(b, end)
+        generating += max(0.0, b - a)
+        reached = max(reached, b)
     return {"idle/trainer_s": times["timing/wait_rollout_s"], "idle/engines_s": max(0.0, end - start - generating)}
 
 

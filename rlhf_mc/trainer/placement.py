@@ -348,9 +348,13 @@ class Cluster:
 
         cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path,
                                   return_routed_experts=routed_experts)
+        # generate calls at once: one rollout (sync modes) or every group the staleness bound admits (async), and
+        # the driver's control calls beside them
+        r = self.recipe.rollout
+        calls = 8 + ((r.staleness_bound + 1) * self.recipe.data.train_batch_size if r.mode == "async" else 0)
         remote = ray.remote(EngineWorker).options
         if cfg.addresses:
-            self.engines = [remote(num_cpus=0, max_concurrency=8).remote(
+            self.engines = [remote(num_cpus=0, max_concurrency=calls).remote(
                 dataclasses.replace(cfg, addresses=(address,), num_engines=1), str(log_dir / f"engine{e}"), None,
                 cfg.host)
                 for e, address in enumerate(cfg.addresses)]
@@ -365,7 +369,7 @@ class Cluster:
             engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=self.slots[first])
-            self.engines.append(remote(num_cpus=0.05, max_concurrency=8, scheduling_strategy=strategy).remote(
+            self.engines.append(remote(num_cpus=0.05, max_concurrency=calls, scheduling_strategy=strategy).remote(
                 engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated))
         return ray.get([engine.address.remote() for engine in self.engines])
 

@@ -64,8 +64,11 @@ class RolloutSection:
     # sync: each step's rollout uses the weights the step trains (on-policy); one_step_off: the rollout of step k+1
     # runs while the actor trains on step k, so every trained token is at most one weight version old (the
     # engines need devices of their own; the old log-probs come from a forward pass of the weights being trained,
-    # the proximal policy of decoupled PPO, and actor.loss.tis_cap / reject correct for the behaviour policy)
-    mode: Literal["sync", "one_step_off"] = "sync"
+    # the proximal policy of decoupled PPO, and actor.loss.tis_cap / reject correct for the behaviour policy);
+    # async: groups are generated without pause while the actor trains, admitted while at most max_staleness
+    # versions old (trainer/stream.py), and a sync pauses those under way (partial rollouts)
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    max_staleness: int | None = None  # async: how many weight versions a trained token may lag (default 1)
     sync_transport: Literal["auto", "tensor", "distributed", "disk"] = "auto"  # auto: tensor if colocated
     sync_bucket_mb: int = 256
     engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # model_path comes from the actor
@@ -76,6 +79,11 @@ class RolloutSection:
 
     def __post_init__(self):
         check_at_least(self, 1, "n", "val_n", "sync_bucket_mb")
+        if self.max_staleness is not None and self.mode != "async":
+            raise ConfigError(f"max_staleness: {self.max_staleness} is read in async mode only (mode={self.mode}: "
+                              f"{self.staleness_bound} by definition)")
+        if self.max_staleness is not None:
+            check_at_least(self, 0, "max_staleness")
         check_at_least(self, 0, "temperature", "val_temperature")  # 0 = greedy
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p: must lie in (0, 1], got {self.top_p}")
@@ -89,6 +97,12 @@ class RolloutSection:
         if self.engine.host != RolloutConfig.host:
             raise ConfigError(f"engine.host: {self.engine.host!r}: set by the trainer (127.0.0.1 on one node, each "
                               "node's IP when the run spans nodes); leave it out")
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many weight versions older than the trained one a sampled token may be."""
+        return {"sync": 0, "one_step_off": 1, "async": 1 if self.max_staleness is None else self.max_staleness}[
+            self.mode]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +293,10 @@ class Recipe:
         if self.sft.messages_key and not self.data.chat_template:
             raise ConfigError(f"sft.messages_key: {self.sft.messages_key!r}: conversations are tokenized through the "
                               "chat template; set data.chat_template=true")
+        if self.rollout.mode == "async" and self.algorithm.dynamic_sampling_max_rounds:
+            raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: {self.algorithm.dynamic_sampling_max_rounds}"
+                              " with rollout.mode=async: the stream admits a fixed number of groups per step and "
+                              "drops none; use mode sync or one_step_off for dynamic sampling")
         # One section type serves the actor and the critic: each reads only its own loss fields.
         if self.critic.loss != PolicyLossConfig():
             raise ConfigError("critic.loss: the critic's loss is the clipped value loss (critic.value_clip); the "

@@ -71,7 +71,7 @@ def _actor(model_dir: str, address: str, transport: str) -> list[dict]:
         stats = sync.sync(chunks, version)
         assert not stats.failed, stats.failed
         samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
-        check_versions([s.weight_version for s in samples], version)
+        check_versions([v for s in samples for v in s.versions], version)
         batch = Trajectories.single_turn([p + s.response_ids for p, s in zip(PROMPTS, samples)],
                                          [len(p) for p in PROMPTS])
         actor = batch.masked(compute_log_prob(chunks, batch)["logprobs"].float().cpu())
