@@ -76,7 +76,8 @@ def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
     (["algorithm.kl_in_reward_coef=0.01"], False),  # the reward needs the old log-probs before the advantages
     (["algorithm.skip_on_policy_old_logprobs=false"], False),
     # one step off: the samples come from the weights before the ones trained
-    (["rollout.mode=one_step_off", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False)])
+    (["rollout.mode=one_step_off", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False),
+    (["rollout.mode=async", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False)])
 def test_old_logprob_forward_is_skipped_only_on_policy(overrides, from_update):
     recipe = load_recipe(QUICKSTART, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
     plan = make_plan(recipe, model_config(recipe), cuda=False)
@@ -164,7 +165,13 @@ BAD = [
      "algorithm.group_filter: 'json' is not 'package.module:function'"),
     (["rollout.mode=one_step_off"], "rollout.mode: one_step_off generates while the actor trains: the engines need "
                                      "devices of their own"),
-    (["rollout.mode=async"], "rollout.mode: 'async' is not one of"),
+    (["rollout.mode=lazy"], "rollout.mode: 'lazy' is not one of"),
+    (["rollout.mode=async"], "rollout.mode: async generates while the actor trains: the engines need devices"),
+    (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is read in async mode only (mode=sync: 0 by definition)"),
+    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0, got -1"),
+    (["rollout.mode=async", "rollout.max_staleness=one"], "rollout.max_staleness:"),
+    (["rollout.mode=async", "algorithm.dynamic_sampling_max_rounds=2"],
+     "algorithm.dynamic_sampling_max_rounds: 2 with rollout.mode=async: the stream admits a fixed number of groups"),
     # multi-turn rollouts with tools
     (["tools.max_turns=2"], "tools: settings given but no tools.functions"),
     (["tools.functions=[rlhf_mc.tools.builtin:calculator]"],

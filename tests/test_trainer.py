@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import requests
 
 from rlhf_mc.runtime.spawn import free_port
@@ -386,3 +387,24 @@ def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
     for k in (2, 3, 4):
         assert steps[k]["idle/trainer_s"] < steps[k]["timing/rollout_s"], steps[k]
         assert "timing/old_logprob_s" in steps[k] and steps[k]["actor/grad_norm"] > 0
+
+
+def test_async_mode_trains_within_the_staleness_bound(tmp_path):
+    """rollout.mode=async, max_staleness=1, on two processes: groups of the next step generate while the actor
+    trains (every sampled token's version is checked against the bound by the rollout manager, which fails the run
+    on an older one); the logged histogram of the trained tokens' staleness stays within the bound, and from the
+    second step on part of each batch comes from the version before the trained one."""
+    out = tmp_path / "async"
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
+                         "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
+                         "rollout.mode=async", "rollout.max_staleness=1", "rollout.placement=disaggregated",
+                         "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records if "reward/mean" in r}
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert steps[1]["rollout/staleness_max"] == 0  # the first batch: admitted and trained at version 0
+    for k in range(1, 5):
+        assert steps[k]["rollout/staleness_max"] <= 1
+        assert steps[k]["rollout/staleness_0"] + steps[k]["rollout/staleness_1"] == pytest.approx(1)
+        assert steps[k]["actor/grad_norm"] > 0 and "timing/old_logprob_s" in steps[k]
+    assert steps[2]["rollout/staleness_1"] > 0, steps[2]  # generated during the first step's training
