@@ -5,9 +5,10 @@ with the idle fractions of the trainer (waiting for rollouts) and of the engines
 
 Each mode runs the quickstart recipe through tools/launch.py from the same random-init model on two processes (the
 actor on one, the SGLang engine on the other: rollout.placement=disaggregated, which one_step_off needs and sync
-gets too, for a fair comparison), no SFT, no validation; async with rollout.max_staleness. A random model ends a response at its eos with about the
-probability of any of the 16 tokens, so response lengths are geometric with a long tail up to the limit: the shape
-where a rollout waits for its longest sample. The first step (start-up) and checkpoint steps are not counted.
+gets too, for a fair comparison), no SFT, no validation; async with rollout.max_staleness. A random model ends a
+response at its eos with about the probability of any of the 16 tokens, so response lengths are geometric with a
+long tail up to the limit: the shape where a rollout waits for its longest sample. The first step (start-up) and
+checkpoint steps are not counted.
 """
 
 from __future__ import annotations

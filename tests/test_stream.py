@@ -12,6 +12,7 @@ import pytest
 from rlhf_mc.data.dataset import Prompt
 from rlhf_mc.data.trajectory import Sample
 from rlhf_mc.rollout.base import SamplingParams
+from rlhf_mc.trainer.metrics import Timer
 from rlhf_mc.trainer.stream import RolloutStream
 
 B = 4
@@ -90,3 +91,35 @@ def test_a_resumed_stream_starts_at_its_step_and_failures_reach_the_trainer():
             s.take(3)
     finally:
         s.close()
+
+
+def test_a_restarted_engine_waits_for_the_update_and_gets_the_updated_weights_version():
+    """An engine restarted while the trainer's thread uses the actor (an update in the off-policy modes) is restored
+    once the trainer lets go of it, with the weights the actor holds then and their version - never mid-update
+    weights under the version before."""
+    from rlhf_mc.sync.weights import SyncStats
+    from rlhf_mc.trainer.colocation import ColocationSchedule
+
+    class Actor:  # records what it was asked to sync, and whether the trainer was using it at that moment
+        def __init__(self):
+            self.synced = []
+
+        def sync(self, version, engines=None):
+            self.synced.append((version, engines, schedule.actor_in_use()._is_owned()))
+            return [SyncStats(version, 0, 0, 0, 0.0, 0.0)]
+
+    class Cluster:
+        def engines_synced(self, engines=None):
+            pass
+
+    actor = Actor()
+    schedule = ColocationSchedule(Cluster(), actor, actor_offload=False, offloaded=[], colocated=False)
+    schedule.before_rollout(0, Timer())
+    restored = threading.Thread(target=schedule.restore_engine, args=(1,))
+    with schedule.actor_in_use():  # the update of step 0
+        restored.start()
+        time.sleep(0.2)
+        assert restored.is_alive() and actor.synced == [(0, None, False)]
+        schedule.actor_trained(1)
+    restored.join(5)
+    assert actor.synced[1] == (1, [1], True)  # version 1, engine 1, under the lock (taken by the restore)

@@ -9,10 +9,15 @@ with the actor's weights only, the rollout meets the KV cache with nothing of th
 (or attached engines): only the sync.
 
 Engine failures: a sync that fails on an engine restarts that engine and syncs it again; an engine restarted since
-the last sync, or during a rollout, is given the actor's current weights before it serves (restore_engine).
+the last sync, or during a rollout, is given the actor's current weights before it serves (restore_engine),
+labelled with their version. In the off-policy modes rollouts run while the actor trains: a restore then waits
+until the trainer's thread leaves the actor (actor_in_use), so that it never takes half-updated weights and every
+actor rank sees the collectives of both threads in one order.
 """
 
 from __future__ import annotations
+
+import threading
 
 from rlhf_mc.rollout.sglang_engine import KV_CACHE_TAGS, WEIGHTS_TAGS
 from rlhf_mc.trainer.metrics import Timer
@@ -26,12 +31,21 @@ class ColocationSchedule:
         self.cluster, self.actor, self.actor_offload = cluster, actor, actor_offload and colocated
         self.offloaded = offloaded if colocated else []
         self.colocated = colocated
-        self.version = None  # the weights the engines hold (or are being given)
+        self.actor_version = None  # the version of the weights the actor holds
+        self._actor = threading.RLock()  # held by whoever calls the actor (trainer/loop.py, restore_engine)
 
     def engines_launched(self) -> None:
         """Right after the engines start: they give their memory back until the first sync wants it."""
         if self.colocated:
             self.cluster.engines_call("release_memory")
+
+    def actor_in_use(self) -> threading.RLock:
+        """Held around the trainer's calls of the actor; a restore waits for it."""
+        return self._actor
+
+    def actor_trained(self, version: int) -> None:
+        """The actor's update made weights `version` (the engines get them at the next before_rollout)."""
+        self.actor_version = version
 
     def before_rollout(self, version: int, timer: Timer) -> dict:
         """After an update (or at the start): everything up to the rollout. Returns the sync's metrics."""
@@ -68,20 +82,21 @@ class ColocationSchedule:
             group.reload()
 
     def restore_engine(self, engine: int) -> None:
-        """A restarted engine gets the weights of the current version (the actor's own come back from host memory
-        for the time it takes)."""
-        if self.actor_offload:
-            self.actor.reload("weights")
-        try:
-            self._sync(self.version, [engine])
-        finally:
+        """A restarted engine gets the actor's weights as they are, with their version (the actor's own come back
+        from host memory for the time it takes); during an update, once it is done."""
+        with self._actor:
             if self.actor_offload:
-                self.actor.offload("weights")
+                self.actor.reload("weights")
+            try:
+                self._sync(self.actor_version, [engine])
+            finally:
+                if self.actor_offload:
+                    self.actor.offload("weights")
 
     def _sync(self, version: int, engines: list[int] | None = None) -> dict:
         """The actor's weights into the engines (or `engines`); an engine that fails is restarted and synced again,
         once. Returns rank 0's figures, the largest peak over ranks, the engines' restart count."""
-        self.version = version
+        self.actor_version = version
         stats = self.actor.sync(version, engines)
         failed = {e: error for s in stats for e, error in s.failed.items()}
         if failed:

@@ -309,43 +309,48 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
             with timer("wait_rollout"):
                 batch, sample_stats, rollout_times = streamed(step) if stream else pending.result()
             pending = start_rollout(step + 1) if r.mode == "one_step_off" and step + 1 < total_steps else None
-            schedule.after_rollout(timer)
-            entropy = None
-            if not recipe.old_logprobs_from_update:
-                with timer("old_logprob"):
-                    out = actor.logprobs(batch, temperature, micro, with_entropy=True)
-                    batch, entropy = batch.with_fields(old_logprobs=out["logprobs"]), out["entropy"]
-            if recipe.uses_reference:
-                with timer("ref_logprob"):
-                    batch = batch.with_fields(ref_logprobs=ref_logprobs(batch, temperature, micro)["logprobs"])
-            if critic:
-                with timer("values"):
-                    values = critic.values(batch, critic_micro)["values"]
-                    batch = batch.with_fields(values=values, old_values=values)
-            with timer("advantages"):
-                fields, current_kl = advantages(recipe, batch, kl_coef)
-                batch = batch.with_fields(**fields)
-            kl_metrics = {}
-            if current_kl is not None:
-                kl_metrics = {"algorithm/kl_coef": kl_coef, "algorithm/kl_in_reward": current_kl}
-                if algo.kl_target > 0:
-                    kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, algo.kl_target, algo.kl_horizon, len(batch))
-            with timer("update_actor"):
-                actor_metrics = actor.train_policy(batch, mini_batches, recipe.actor.ppo_epochs, recipe.actor.loss,
-                                                   temperature, micro)
-            critic_metrics = {}
-            if critic:
-                with timer("update_critic"):
-                    critic_metrics = critic.train_values(batch, critic_mini_batches, recipe.critic.ppo_epochs,
-                                                         recipe.actor.loss, critic_micro, recipe.critic.value_clip)
-            step += 1
-            if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
-                with timer("save"):
-                    _save(actor, critic, run_dir, {"step": step, "kl_coef": kl_coef}, trainer.keep_checkpoints)
+            # the actor's calls, here and when a restarted engine is restored from the rollouts' thread, one at a time
+            with schedule.actor_in_use():
+                schedule.after_rollout(timer)
+                entropy = None
+                if not recipe.old_logprobs_from_update:
+                    with timer("old_logprob"):
+                        out = actor.logprobs(batch, temperature, micro, with_entropy=True)
+                        batch, entropy = batch.with_fields(old_logprobs=out["logprobs"]), out["entropy"]
+                if recipe.uses_reference:
+                    with timer("ref_logprob"):
+                        batch = batch.with_fields(ref_logprobs=ref_logprobs(batch, temperature, micro)["logprobs"])
+                if critic:
+                    with timer("values"):
+                        values = critic.values(batch, critic_micro)["values"]
+                        batch = batch.with_fields(values=values, old_values=values)
+                with timer("advantages"):
+                    fields, current_kl = advantages(recipe, batch, kl_coef)
+                    batch = batch.with_fields(**fields)
+                kl_metrics = {}
+                if current_kl is not None:
+                    kl_metrics = {"algorithm/kl_coef": kl_coef, "algorithm/kl_in_reward": current_kl}
+                    if algo.kl_target > 0:
+                        kl_coef = core.adaptive_kl_coef(kl_coef, current_kl, algo.kl_target, algo.kl_horizon,
+                                                        len(batch))
+                with timer("update_actor"):
+                    actor_metrics = actor.train_policy(batch, mini_batches, recipe.actor.ppo_epochs, recipe.actor.loss,
+                                                       temperature, micro)
+                critic_metrics = {}
+                if critic:
+                    with timer("update_critic"):
+                        critic_metrics = critic.train_values(batch, critic_mini_batches, recipe.critic.ppo_epochs,
+                                                             recipe.actor.loss, critic_micro, recipe.critic.value_clip)
+                step += 1
+                if (trainer.save_interval and step % trainer.save_interval == 0) or step == total_steps:
+                    with timer("save"):
+                        _save(actor, critic, run_dir, {"step": step, "kl_coef": kl_coef}, trainer.keep_checkpoints)
+                schedule.actor_trained(step)
             if pending is not None:  # the engines end the next step's rollout on the weights they hold, then sync
                 with timer("wait_rollout"):
                     futures.wait([pending])
-            sync_metrics = schedule.before_rollout(step, timer)
+            with schedule.actor_in_use():
+                sync_metrics = schedule.before_rollout(step, timer)
             if stream is not None:
                 stream.weights_updated(step)
         metrics = _step_metrics(batch, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,

@@ -2,14 +2,14 @@
 the actor trains, admitted under the staleness bound, and handed to the trainer in the data order.
 
 Admission (AReaL's rule, in groups): group g, the g-th of the run's data order (step g // B, B =
-data.train_batch_size), starts only once g + 1 <= (version + max_staleness + 1) * B, `version` being the weights
-the engines hold. The trainer takes the groups of step s in that order, so a group g of step s (s * B <= g) was
-admitted at a version v with (v + max_staleness + 1) * B >= g + 1 > s * B, that is v >= s - max_staleness, and
-every one of its tokens comes from v or later: staleness is bounded at admission, and no work is discarded. Taking the groups in order, not as they
-finish, makes a step's batch the prompts it has in sync mode and the bound exact; the price is that a step waits
-for its slowest group, while the engines go on with the groups of the next max_staleness steps. A weight sync
-pauses the groups under way (SGLang's retract: rollout/sglang_engine.py pause) and they go on with the new weights
-(partial rollouts), each token labelled with the version that produced it.
+data.train_batch_size), starts only once g + 1 <= (version + max_staleness + 1) * B, `version` being the weights the
+engines hold. The trainer takes the groups of step s in that order, so a group g of step s (s * B <= g) was admitted
+at a version v with (v + max_staleness + 1) * B >= g + 1 > s * B, that is v >= s - max_staleness, and every one of
+its tokens comes from v or later: staleness is bounded at admission, and no work is discarded. Taking the groups in
+order, not as they finish, makes a step's batch the prompts it has in sync mode and the bound exact; the price is
+that a step waits for its slowest group, while the engines go on with the groups of the next max_staleness steps. A
+weight sync pauses the groups under way (SGLang's retract: rollout/sglang_engine.py pause) and they go on with the
+new weights (partial rollouts), each token labelled with the version that produced it.
 
 At a stop the groups under way are dropped: a resumed run starts the stream again at its checkpoint's step.
 """
