@@ -285,7 +285,7 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
         for url in engines.urls:  # each server holds the run's last weights
             (sample,) = SGLangEngine(RolloutConfig(addresses=(url.removeprefix("http://"),))).generate(
                 [[3, 4, 5]], SamplingParams(temperature=0, max_new_tokens=2))
-            assert sample.versions == [2, 2]
+            assert set(sample.versions) == {2}
     finally:
         engines.shutdown()
 
