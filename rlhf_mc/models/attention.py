@@ -38,9 +38,11 @@ PAD_WASTE = 1.25  # a padded group's attention work (n x longest^2) stays within
 
 @functools.lru_cache(maxsize=8)
 def _padded_groups(lengths: tuple[int, ...], device: torch.device):
-    """Sequences grouped by length for padded attention: per group, the token index of every (sequence, position)
-    [n, longest] (a pad repeats the sequence's last token: causal queries never see it) and which entries are real;
-    and `inverse`, which puts the groups' real outputs back in packed order. Cached: every layer asks the same."""
+    """Sequences grouped by length for padded attention: per group, its shape (n, longest), the token index of every
+    (sequence, position) flattened [n x longest] (a pad repeats the sequence's last token: causal queries never see
+    it) and the flat index of the real entries; and `inverse`, which puts the groups' real outputs back in packed
+    order. Flat indices, for index_select: its backward (index_add) is ~3x faster on CPU than advanced indexing's
+    (index_put with accumulate). Cached: every layer asks the same."""
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)
@@ -56,8 +58,8 @@ def _padded_groups(lengths: tuple[int, ...], device: torch.device):
     for group in groups:
         pos = torch.arange(lengths[group[0]])
         index = torch.stack([starts[i] + pos.clamp(max=lengths[i] - 1) for i in group])
-        real = torch.stack([pos < lengths[i] for i in group])
-        padded.append((index.to(device), real.to(device)))
+        real = torch.stack([pos < lengths[i] for i in group]).flatten().nonzero()[:, 0]
+        padded.append((index.shape, index.flatten().to(device), real.to(device)))
         packed_order += [starts[i] + p for i in group for p in range(lengths[i])]
     inverse = torch.empty(len(packed_order), dtype=torch.long)
     inverse[torch.tensor(packed_order, dtype=torch.long)] = torch.arange(len(packed_order))
@@ -181,10 +183,11 @@ class LocalCoreAttention(MegatronModule):
         """query [t, heads, d], key/value [t, groups, d] holding `lengths` packed sequences -> [t, heads*d]."""
         padded, inverse = _padded_groups(lengths, query.device)
         outs = []
-        for index, real in padded:  # gathered: [n, longest, heads, d] -> [n, heads, longest, d]
-            q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))
-            outs.append(self._sdpa(q, k, v, is_causal=True).transpose(1, 2)[real])
-        return torch.cat(outs)[inverse].flatten(1)
+        for shape, index, real in padded:  # gathered: [n, longest, heads, d] -> [n, heads, longest, d]
+            q, k, v = (x.index_select(0, index).unflatten(0, shape).transpose(1, 2) for x in (query, key, value))
+            out = self._sdpa(q, k, v, is_causal=True).transpose(1, 2)  # [n, longest, heads, d]
+            outs.append(out.flatten(0, 1).index_select(0, real))
+        return torch.cat(outs).index_select(0, inverse).flatten(1)
 
     def _attend(self, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # causal by global position

@@ -220,7 +220,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    from rlhf_mc.models.rope import use_packed_rotary
+
     parallel.check_model(model)
+    use_packed_rotary()
     if model.num_experts:
         _router_gemm_without_te()
     use_te = te_available() if use_te is None else use_te

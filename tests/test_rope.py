@@ -1,0 +1,62 @@
+"""The one-pass packed rotary embedding (models/rope.py) against Megatron-Core's own per-sequence THD rotation: the
+same outputs and input gradients, with and without context parallelism, interleaved or not, partial rotary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_mc.models import rope
+
+
+class _Rank:
+    """What the rotation reads of a CP process group: its size and this rank."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("cp_size, cp_rank", [(1, 0), (2, 0), (2, 1), (4, 2)])
+@pytest.mark.parametrize("rotary_interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dims", [16, 8])  # all of the head's dims, or half of them (rotary_percent 0.5)
+def test_packed_rotary_matches_megatron(cp_size, cp_rank, rotary_interleaved, rotary_dims):
+    g = torch.Generator().manual_seed(cp_size * 10 + cp_rank)
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    lengths = [multiple * int(n) for n in torch.randint(1, 9, (7,), generator=g)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    local = sum(lengths) // cp_size
+    freqs = torch.randn(max(lengths) + 5, 1, 1, rotary_dims, generator=g)
+    t = torch.randn(local, 3, 16, generator=g)
+    outputs, grads = [], []
+    for fn in (rope._megatron_thd, rope._apply_rotary_pos_emb_thd):
+        x = t.clone().requires_grad_()
+        out = fn(x, cu, freqs, rotary_interleaved=rotary_interleaved, mscale=1.3, cp_group=_Rank(cp_size, cp_rank))
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin())
+        outputs.append(out.detach())
+        grads.append(x.grad)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+
+
+def test_packed_positions_by_hand():
+    cu = torch.tensor([0, 3, 5])
+    assert rope.packed_positions(cu, 1, 0).tolist() == [0, 1, 2, 0, 1]
+    # CP 2: sequences of 8 and 4 in chunks of 2 and 1; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    cu = torch.tensor([0, 8, 12])
+    assert rope.packed_positions(cu, 2, 0).tolist() == [0, 1, 6, 7, 0, 3]
+    assert rope.packed_positions(cu, 2, 1).tolist() == [2, 3, 4, 5, 1, 2]
+
+
+def test_megatron_calls_the_packed_rotation():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from rlhf_mc.models.rope import use_packed_rotary
+
+    use_packed_rotary()
+    assert rope_utils._apply_rotary_pos_emb_thd is rope._apply_rotary_pos_emb_thd
