@@ -13,6 +13,8 @@ With the CUDA build of torch and no GPU:
   MLA holds the latent, not per-head keys ("Expected size ... [4, 24] but got: [4, 40]"). The absorbed path reads
   exactly that cache (SGLang takes it for decode already): torch_native gets the dispatch that, without AMX, always
   chooses it. Patched right after SGLang imports that module (this file does not import SGLang).
+- torch_native attends one request at a time (a KV gather and an SDPA call per running request, per layer and decode
+  step): its two per-request methods are replaced by batched ones (rlhf_mc/rollout/cpu_attention.py).
 """
 
 import importlib.abc
@@ -47,7 +49,14 @@ def _absorbed_mla_on_torch_native(handlers) -> None:
     handlers.AttentionBackendRegistry.register("torch_native", handlers._dispatch_mla_subtype)
 
 
-_PATCHES = {"sglang.srt.models.deepseek_common.attention_backend_handler": _absorbed_mla_on_torch_native}
+def _batched_torch_native_attention(backend) -> None:
+    from rlhf_mc.rollout import cpu_attention
+
+    cpu_attention.install(backend.TorchNativeAttnBackend)
+
+
+_PATCHES = {"sglang.srt.models.deepseek_common.attention_backend_handler": _absorbed_mla_on_torch_native,
+            "sglang.srt.layers.attention.torch_native_backend": _batched_torch_native_attention}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
