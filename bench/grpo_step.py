@@ -5,9 +5,9 @@ as a fraction of this machine's fp32 matmul FLOP/s (measured first), TRL's step 
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 5] [--warmup 2]
 
-Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights; a random model
-rarely ends early, so responses run to the limit in both). Ours runs Ray + Megatron + SGLang on CPU; TRL runs
-transformers' generate and its trainer in this process.
+Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights) and every
+response runs to the limit in both (ours: rollout.ignore_eos; TRL: min_new_tokens), so both do the same work. Ours
+runs Ray + Megatron + SGLang on CPU; TRL runs transformers' generate and its trainer in this process.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
         f"trainer.total_steps={steps}", "trainer.save_interval=0", "trainer.export_hf=false",
         "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
-        f"actor.optim.lr={LR}"])
+        "rollout.ignore_eos=true", f"actor.optim.lr={LR}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:]
@@ -102,7 +102,8 @@ def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int) -> 
     config = GRPOConfig(output_dir=str(model_dir.parent / "trl"), use_cpu=True, per_device_train_batch_size=PROMPTS * N,
                         gradient_accumulation_steps=1, num_generations=N, max_completion_length=response_length,
                         learning_rate=LR, max_steps=steps, beta=0.0, temperature=1.0, logging_steps=1,
-                        report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False)
+                        report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False,
+                        generation_kwargs={"min_new_tokens": response_length})
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
     trainer.train()

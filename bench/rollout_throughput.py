@@ -1,7 +1,8 @@
 """Rollout tokens/s through rlhf_mc's SGLang engine vs the raw SGLang server (one batched HTTP request) vs
-transformers' generate, same model and batch, in one invocation. Prints JSON lines with the ratios.
+transformers' generate, same model and batch, in one invocation, for the model sizes of bench/grpo_step.py (with a
+2048-token vocabulary). Every response runs to --new-tokens in all three. Prints JSON lines with the ratios.
 
-    .venv/bin/python bench/rollout_throughput.py [--prompts 64 --n 8 --new-tokens 128]
+    .venv/bin/python bench/rollout_throughput.py [--sizes 6m 50m --prompts 32 --n 8 --new-tokens 64]
 """
 
 from __future__ import annotations
@@ -18,40 +19,48 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
+from bench.grpo_step import SIZES  # noqa: E402
 from rlhf_mc.config import RolloutConfig  # noqa: E402
 from rlhf_mc.rollout.base import SamplingParams  # noqa: E402
 from rlhf_mc.rollout.sglang_engine import SGLangEngine  # noqa: E402
 
 
-def write_model(out: Path):
+def write_model(out: Path, size: str):
     import transformers as T
 
-    config = T.Qwen2Config(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024,
-                           bos_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    hidden, layers, heads, kv_heads, ffn = SIZES[size]
+    config = T.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                           vocab_size=2048, max_position_embeddings=1024, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    model = T.Qwen2ForCausalLM(config).eval()
+    model = T.LlamaForCausalLM(config).eval()
     model.save_pretrained(out)
     return model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["6m", "50m"])
+    parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     args = parser.parse_args()
+    for size in args.sizes:
+        measure(size, args)
+
+
+def measure(size: str, args) -> None:
     prompts = torch.randint(0, 2048, (args.prompts, args.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.tolist()
-    common = dict(bench="rollout_throughput", prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
+    common = dict(bench="rollout_throughput", size=size, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model(Path(tmp) / "model")
+        model = write_model(Path(tmp) / "model", size)
         params = sum(p.numel() for p in model.parameters())
         engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32",
                                             max_concurrency=args.prompts))
         try:
-            sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens)
+            sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:2], sampling)  # warm-up
             start = time.perf_counter()
             samples = engine.generate(prompts, sampling)
@@ -59,7 +68,8 @@ def main() -> None:
             ours_tokens = sum(len(s.response_ids) for s in samples)
 
             payload = {"input_ids": prompts, "return_logprob": True,
-                       "sampling_params": {"n": args.n, "temperature": 1.0, "max_new_tokens": args.new_tokens}}
+                       "sampling_params": {"n": args.n, "temperature": 1.0, "max_new_tokens": args.new_tokens,
+                                           "ignore_eos": True}}
             start = time.perf_counter()
             raw = requests.post(engine.urls[0] + "/generate", json=payload, timeout=3600).json()
             raw_s = time.perf_counter() - start

@@ -79,6 +79,10 @@ def test_stop_token_ends_the_response(sglang_engine, tiny_hf_model):
                                                                     stop_token_ids=(stop,)))
     assert sample.finish_reason == "stop"
     assert sample.response_ids == greedy[:greedy.index(stop) + 1]
+    # ignore_eos: past the stop token, to the budget
+    (sample,) = sglang_engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=10,
+                                                                    stop_token_ids=(stop,), ignore_eos=True))
+    assert (sample.finish_reason, sample.response_ids) == ("length", greedy)
 
 
 def test_context_limit_is_reported_not_cut(sglang_engine):

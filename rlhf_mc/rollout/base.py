@@ -24,6 +24,7 @@ class SamplingParams:
     top_k: int = -1  # -1 = whole vocabulary
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # every response runs to max_new_tokens (the model's EOS and stop_token_ids go on)
     seed: int | None = None  # sample i of a prompt uses seed + i; needs an engine that honours seeds
 
     def __post_init__(self):

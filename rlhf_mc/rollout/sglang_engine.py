@@ -253,7 +253,8 @@ class SGLangEngine:
             raise ValueError("sampling.seed: SGLang honours per-sample seeds only with rollout.deterministic=true "
                              "(--enable-deterministic-inference, GPU attention backends)")
         params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-                  "stop_token_ids": list(sampling.stop_token_ids), "skip_special_tokens": False}
+                  "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
+                  "skip_special_tokens": False}
         samples: list[RolloutSample] = []
         jobs = []  # (prompt index, first sample index, payload, max_new_tokens capped by the context)
         for p, prompt in enumerate(prompts):

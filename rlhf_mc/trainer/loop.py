@@ -253,7 +253,8 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     # the KL-in-reward coefficient: fixed, or the adaptive controller's, carried through checkpoints
     step, kl_coef = trainer_state["step"], trainer_state.get("kl_coef", algo.kl_in_reward_coef)
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,))
+                              max_new_tokens=data.max_response_length, stop_token_ids=(tokenizer.eos_token_id,),
+                              ignore_eos=r.ignore_eos)
     temperature = r.temperature or 1.0  # greedy samples' log-probs are under softmax(logits) (rollout/base.py)
     micro, critic_micro = recipe.actor.micro_batch_tokens, recipe.critic.micro_batch_tokens
     mini_batches = data.train_batch_size // (recipe.actor.ppo_mini_batch_size or data.train_batch_size)

@@ -58,6 +58,9 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # training rollouts run to data.max_response_length whatever they sample (verl's rollout.ignore_eos): equal
+    # work per sample for benchmarks and length-controlled runs; validation still stops at EOS
+    ignore_eos: bool = False
     val_n: int = 1  # samples per held-out prompt: pass@val_n is logged besides greedy accuracy
     val_temperature: float = 1.0  # for the pass@k samples (accuracy is always greedy)
     placement: Literal["colocated", "disaggregated"] = "colocated"
@@ -290,6 +293,9 @@ class Recipe:
             raise ConfigError("tools: settings given but no tools.functions")
         if self.tools.functions and not self.data.chat_template:
             raise ConfigError("tools.functions: tool calls and results are chat messages; set data.chat_template=true")
+        if self.rollout.ignore_eos and self.tools.functions:
+            raise ConfigError("rollout.ignore_eos: a multi-turn rollout's turns end at EOS; leave it out with "
+                              "tools.functions")
         if self.sft.messages_key and not self.data.chat_template:
             raise ConfigError(f"sft.messages_key: {self.sft.messages_key!r}: conversations are tokenized through the "
                               "chat template; set data.chat_template=true")
