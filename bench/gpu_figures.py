@@ -9,7 +9,10 @@ lent GPU machine: one GPU, no SGLang, Ray or Transformer Engine needed):
 - offload: seconds to move the training state to pinned host memory and back, GB/s, and the device memory freed
   (torch.cuda.mem_get_info) against the state's bytes;
 - ipc_handover: a flattened weight bucket handed to another process over CUDA IPC and copied into its own tensor
-  there (what an engine does with a colocated sync payload) against a device-to-device copy of the same bytes.
+  there (what an engine does with a colocated sync payload) against a device-to-device copy of the same bytes;
+- rl_logprob / rl_update: the GPU side of bench/ref_logprob.py and of bench/grpo_step.py's update phase, on an RL
+  batch (64-token prompts, responses of 32-512 tokens): our packed log-prob pass and GRPO-loss optimizer step against
+  transformers on length-sorted padded micro-batches of 8 (the same model shape and dtype, SDPA attention).
 
     python bench/gpu_figures.py [--only NAME ...] [--context 32768]
 """
@@ -129,6 +132,86 @@ def offload_figures() -> dict:
             "first_offload_s": out["offload_s"][0], "reload_s": statistics.median(out["reload_s"])}
 
 
+def _rl_batch(sequences: int):
+    """64-token prompts and responses of 32-512 tokens (bench/ref_logprob.py's spread), GRPO fields on them."""
+    from rlhf_mc.data.trajectory import Trajectories
+
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(32, 513, (sequences,), generator=g).tolist()
+    seqs = [torch.randint(0, QWEN3_06B.vocab_size, (64 + r,), generator=g) for r in responses]
+    return Trajectories.single_turn(seqs, [64] * sequences, {"advantages": [torch.randn(r, generator=g)
+                                                                             for r in responses],
+                                                              "rollout_logprobs": [-torch.rand(r, generator=g)
+                                                                                   for r in responses]})
+
+
+def rl_ours(sequences: int, repeats: int) -> dict:
+    """Seconds of our log-prob pass and of one GRPO-loss optimizer step over the batch (bf16, packed)."""
+    from rlhf_mc.config import PolicyLossConfig
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+    from rlhf_mc.workers.train import train_step
+
+    init_parallel(ParallelConfig(), seed=0)
+    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    batch = _rl_batch(sequences)
+    logprob = _timed(lambda: compute_log_prob(chunks, batch, micro_batch_tokens=16384), repeats, 1)
+    state = setup_training(chunks, OptimizerConfig(lr=1e-6))
+    update = _timed(lambda: train_step(state, batch, PolicyLossConfig(), micro_batch_tokens=16384), repeats, 1)
+    return {"logprob_s": logprob, "update_s": update, "tokens": int(batch.lengths.sum())}
+
+
+def rl_transformers(sequences: int, repeats: int, micro_batch: int = 8) -> dict:
+    """The same with transformers: length-sorted padded micro-batches, log_softmax + gather; the update adds the
+    clipped-ratio loss of the responses, backward and AdamW."""
+    import transformers as T
+
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+
+    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(QWEN3_06B, "bfloat16").items()
+                                       if k != "architectures"})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    batch = _rl_batch(sequences)
+    rows = sorted(zip(batch.rows(), batch.rows(batch.fields["advantages"])), key=lambda r: -len(r[0]))
+    groups = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
+    padded = []
+    for group in groups:
+        tokens = torch.zeros(len(group), len(group[0][0]), dtype=torch.long)
+        mask, adv = torch.zeros_like(tokens), torch.zeros(len(group), len(group[0][0]))
+        for i, (seq, a) in enumerate(group):
+            tokens[i, :len(seq)], mask[i, :len(seq)], adv[i, :len(seq)] = seq, 1, a
+        padded.append((tokens.cuda(), mask.cuda(), adv.cuda()))
+
+    def logprobs(tokens, mask):
+        logits = model(tokens, attention_mask=mask).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+    def forward_only():
+        with torch.no_grad():
+            for tokens, mask, _ in padded:
+                logprobs(tokens, mask)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    trained = sum(int(m[:, 64:].sum()) for _, m, _ in padded)
+
+    def update():
+        for tokens, mask, adv in padded:
+            lp = logprobs(tokens, mask)[:, 63:]
+            ratio = torch.exp(lp - lp.detach())
+            weight = mask[:, 64:] / trained
+            loss = -(torch.minimum(ratio * adv[:, 64:], ratio.clamp(0.8, 1.2) * adv[:, 64:]) * weight).sum()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return {"logprob_s": _timed(forward_only, repeats, 1), "update_s": _timed(update, repeats, 1)}
+
+
 def _ipc_receiver(queue, done) -> None:
     torch.cuda.set_device(0)
     while True:
@@ -177,7 +260,7 @@ def ipc_handover(mb: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=["matmul", "train_step", "logprob_memory", "offload",
-                                                      "ipc_handover"])
+                                                      "ipc_handover", "rl"])
     parser.add_argument("--context", type=int, default=32768)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -211,6 +294,14 @@ def main() -> None:
         emit(bench="gpu_figures", figure="ipc_handover_gb_per_s", value=round(gb / r["handover_s"], 1),
              baseline=round(gb / r["local_copy_s"], 1), ratio=round(r["local_copy_s"] / r["handover_s"], 3),
              receiver_copy_gb_per_s=round(gb / r["receiver_copy_s"], 1))
+    if "rl" in args.only:
+        (ours,) = spawn(rl_ours, 1, 256, 3, device="cuda")
+        (theirs,) = spawn(rl_transformers, 1, 256, 3, device="cuda")
+        for phase in ("logprob", "update"):
+            emit(bench="gpu_figures", figure=f"rl_{phase}_seconds", model="qwen3-0.6b", sequences=256,
+                 tokens=ours["tokens"], value=round(ours[f"{phase}_s"], 3),
+                 baseline="transformers, length-sorted micro-batches of 8", baseline_s=round(theirs[f"{phase}_s"], 3),
+                 speedup=round(theirs[f"{phase}_s"] / ours[f"{phase}_s"], 2))
 
 
 if __name__ == "__main__":

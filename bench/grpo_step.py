@@ -1,7 +1,9 @@
 """One GRPO step by phase, ours vs TRL's GRPOTrainer (`pip install trl`) on the same model, prompts and batch, over
 model sizes and response lengths: 32 prompts x 8 samples of the quickstart's arithmetic data, one optimizer step per
 batch, no KL term. JSON lines per configuration: our phases (median over the timed steps) with their achieved FLOP/s
-as a fraction of this machine's fp32 matmul FLOP/s (measured first), TRL's step time, and the ratio.
+as a fraction of this machine's fp32 matmul FLOP/s (measured first), TRL's step time, the ratio, both steps' fraction
+of that peak and `ratio_at_peak`: TRL's step over a step that ran every matmul at the peak (the most any system could
+gain over TRL on these cores).
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 5] [--warmup 2]
 
@@ -103,6 +105,7 @@ def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int) -> 
                         gradient_accumulation_steps=1, num_generations=N, max_completion_length=response_length,
                         learning_rate=LR, max_steps=steps, beta=0.0, temperature=1.0, logging_steps=1,
                         report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False,
+                        bf16=False,  # TRL's default: bf16 autocast (fast bf16 matmuls on AVX512-BF16 CPUs); ours: fp32
                         generation_kwargs={"min_new_tokens": response_length})
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
@@ -146,9 +149,15 @@ def main() -> None:
                     continue
                 step, trl_length = trl_step(model_dir, length, args.steps, args.warmup)
                 ours_step = phases["timing/step_s"]
+                # both do one generation (2 x params x token) and one forward + backward (6 x) per token: the step's
+                # fraction of the machine's matmul peak, and the ratio the peak itself allows over TRL
+                step_flops = 8 * params * tokens
                 emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
                      baseline="trl GRPOTrainer (transformers generate)", baseline_s=round(step, 3),
-                     baseline_response_length=trl_length, ratio_baseline_over_ours=round(step / ours_step, 2))
+                     baseline_response_length=trl_length, ratio_baseline_over_ours=round(step / ours_step, 2),
+                     ours_step_mfu=round(step_flops / ours_step / peak, 3),
+                     baseline_step_mfu=round(step_flops / step / peak, 3),
+                     ratio_at_peak=round(step / (step_flops / peak), 2))
 
 
 if __name__ == "__main__":

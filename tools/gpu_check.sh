@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The prepared GPU check: one command for a lent GPU machine (one GPU, Python 3.12, torch with CUDA, transformers;
-# no SGLang, Ray, Transformer Engine or package registry there), under 8 minutes, printing JSON lines.
+# no SGLang, Ray, Transformer Engine or package registry there), under 10 minutes, printing JSON lines.
 #
 #   bash tools/gpu_check.sh --prepare      # here, with the registry: the wheels the GPU machine lacks -> build/gpu_wheels
 #   bash tools/gpu_check.sh                # there (device tool: carry build/gpu_wheels)
 #
 # It runs our code on the Megatron-Core the Docker image pins (0.19.2) on CUDA + NCCL: bench/gpu_figures.py (matmul
 # peak, train-step tokens/s and MFU for a 0.6B model, log-prob memory at long context, offload/reload and the memory
-# it frees, the CUDA IPC handover of a flattened bucket vs a device-to-device copy), then the GPU tests
-# (tests/gpu: bf16 log-probs vs transformers, offload, IPC; the SGLang and Transformer Engine ones say why they skip
-# where those are missing - in the Docker image they run). Without CUDA it prints one line saying so and exits 0.
+# it frees, the CUDA IPC handover of a flattened bucket vs a device-to-device copy, the RL log-prob pass and GRPO update
+# vs transformers on length-sorted micro-batches: the GPU side of bench/ref_logprob.py and bench/grpo_step.py), then
+# the GPU tests (tests/gpu: bf16 log-probs vs transformers, offload, IPC; the SGLang and Transformer Engine ones say
+# why they skip where those are missing - in the Docker image they run). Without CUDA it prints one line saying so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=build/gpu_wheels
@@ -38,7 +39,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(), 'gpus': torch.cuda.device_count(),
 'megatron_core': m.__version__}))"
 status=0
-timeout 300 "$PY" bench/gpu_figures.py || status=$?
+timeout 360 "$PY" bench/gpu_figures.py || status=$?
 RLHF_MC_GPU_TESTS=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs 2>&1 | tail -25 | tee build_gpu_tests.log
 tests=${PIPESTATUS[0]}
 "$PY" - <<'PY'
