@@ -246,8 +246,8 @@ def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_
     calls = []
     engine.on_restart = lambda e: calls.append((e, "samples" in result))
     try:
-        worker, result, prompts = _generating(engine, 32)
-        time.sleep(0.5)
+        worker, result, prompts = _generating(engine, 256)
+        time.sleep(0.2)
         assert worker.is_alive(), "the batch finished before the kill: make it longer"
         engine.servers[0].proc.kill()  # the server's main process; its schedulers follow
         worker.join(timeout=300)
