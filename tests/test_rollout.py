@@ -218,8 +218,8 @@ def test_a_weight_update_during_generation_makes_partial_rollouts(sglang_engine,
     the launch weights' tokens, those after are exactly the new weights' (their KV cache recomputed: SGLang's
     retract, not in_place, whose tokens would attend to the old weights' cache)."""
     engine = sglang_engine
-    worker, result, prompts = _generating(engine, 8)
-    time.sleep(0.3)
+    worker, result, prompts = _generating(engine, 64)
+    time.sleep(0.2)
     assert worker.is_alive(), "the batch finished before the update: make it longer"
     new = _hf(new_weights)
     engine.pause()

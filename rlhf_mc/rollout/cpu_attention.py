@@ -31,10 +31,12 @@ def _groups(lengths: torch.Tensor, budget: int = GROUP_TOKENS) -> list[torch.Ten
     return groups
 
 
-def _padded_kv(cache: torch.Tensor, req_to_token: torch.Tensor, pools: torch.Tensor, longest: int) -> torch.Tensor:
-    """[n, kv_heads, longest, d] of the requests' cached keys or values (entries past a request's length: garbage,
+def _padded_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor, pools: torch.Tensor,
+               longest: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, kv_heads, longest, d] of the requests' cached keys and values (entries past a request's length: garbage,
     masked out by the caller)."""
-    return cache[req_to_token[pools, :longest]].transpose(1, 2)
+    slots = req_to_token[pools, :longest]
+    return k_cache[slots].transpose(1, 2).to(dtype), v_cache[slots].transpose(1, 2).to(dtype)
 
 
 def decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens=None,
@@ -46,8 +48,7 @@ def decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices
     for group in _groups(seq_lens):
         lengths = seq_lens[group]
         longest = int(lengths[0])
-        k = _padded_kv(k_cache, req_to_token, req_pool_indices[group], longest).to(query.dtype)
-        v = _padded_kv(v_cache, req_to_token, req_pool_indices[group], longest).to(query.dtype)
+        k, v = _padded_kv(k_cache, v_cache, req_to_token, req_pool_indices[group], longest, query.dtype)
         mask = torch.arange(longest, device=query.device) < lengths[:, None]  # [n, longest]
         out = scaled_dot_product_attention(query[group].unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                            scale=scaling, enable_gqa=enable_gqa)  # [n, heads, 1, d]
@@ -73,8 +74,7 @@ def extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices
     for group in _groups(seq_lens, budget):
         lengths, new, prefix = seq_lens[group], extend_seq_lens[group], extend_prefix_lens[group]
         longest, most_new = int(lengths[0]), int(new.max())
-        k = _padded_kv(k_cache, req_to_token, req_pool_indices[group], longest).to(query.dtype)
-        v = _padded_kv(v_cache, req_to_token, req_pool_indices[group], longest).to(query.dtype)
+        k, v = _padded_kv(k_cache, v_cache, req_to_token, req_pool_indices[group], longest, query.dtype)
         j = torch.arange(most_new, device=query.device)
         real = j < new[:, None]  # [n, most_new]: which padded query rows are tokens
         rows = (starts[group, None] + j).clamp(max=query.size(0) - 1)  # padding rows read some token, unused
