@@ -45,12 +45,17 @@ def test_packed_rotary_matches_megatron(cp_size, cp_rank, rotary_interleaved, ro
 
 
 def test_packed_positions_by_hand():
+    from rlhf_mc.runtime.context_parallel import cp_packed_positions, cp_positions
+
     cu = torch.tensor([0, 3, 5])
-    assert rope.packed_positions(cu, 1, 0).tolist() == [0, 1, 2, 0, 1]
+    assert cp_packed_positions(cu, 1, 0).tolist() == [0, 1, 2, 0, 1]
     # CP 2: sequences of 8 and 4 in chunks of 2 and 1; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     cu = torch.tensor([0, 8, 12])
-    assert rope.packed_positions(cu, 2, 0).tolist() == [0, 1, 6, 7, 0, 3]
-    assert rope.packed_positions(cu, 2, 1).tolist() == [2, 3, 4, 5, 1, 2]
+    assert cp_packed_positions(cu, 2, 0).tolist() == [0, 1, 6, 7, 0, 3]
+    assert cp_packed_positions(cu, 2, 1).tolist() == [2, 3, 4, 5, 1, 2]
+    for rank in range(2):  # the per-sequence layout of the data path
+        assert cp_packed_positions(cu, 2, rank).tolist() == [*cp_positions(8, 2, rank).tolist(),
+                                                             *cp_positions(4, 2, rank).tolist()]
 
 
 def test_megatron_calls_the_packed_rotation():

@@ -14,24 +14,9 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from rlhf_mc.runtime.context_parallel import cp_packed_positions
+
 _megatron_thd = rope_utils._apply_rotary_pos_emb_thd
-
-
-def packed_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Each local token's position within its sequence. `cu_seqlens`: the packed sequences' boundaries before the
-    CP split (each length a multiple of 2 x cp_size when cp_size > 1); a rank holds chunks cp_rank and
-    2 x cp_size - 1 - cp_rank of every sequence (runtime/context_parallel.py's layout)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    local = lengths // cp_size
-    starts = torch.cumsum(local, 0) - local
-    index = torch.arange(int(local.sum()), device=cu_seqlens.device)
-    within = index - torch.repeat_interleave(starts, local)  # position in this rank's part of the sequence
-    if cp_size == 1:
-        return within
-    chunk = torch.repeat_interleave(local // 2, local)
-    full = torch.repeat_interleave(lengths, local)
-    # first chunk: cp_rank x chunk + i; second: (full - (cp_rank + 1) x chunk) + (i - chunk)
-    return torch.where(within < chunk, cp_rank * chunk + within, full - (cp_rank + 2) * chunk + within)
 
 
 def _apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, *args,
@@ -40,7 +25,7 @@ def _apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: 
     if cp_group is None or args or freqs.size(0) == int(cu_seqlens[-1]):
         # per-token freqs already (Megatron's exact-mapping case), or a call this drop-in was not written for
         return _megatron_thd(t, cu_seqlens, freqs, *args, cp_group=cp_group, **rotation)
-    positions = packed_positions(cu_seqlens, cp_group.size(), cp_group.rank())
+    positions = cp_packed_positions(cu_seqlens, cp_group.size(), cp_group.rank())
     # rotation: rotary_interleaved, mscale and the MLA flag under the name of the installed release
     return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions], **rotation).squeeze(1)
 

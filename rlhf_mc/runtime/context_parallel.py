@@ -20,6 +20,23 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch
     return torch.cat([cp_rank * chunk + steps, (2 * cp_size - 1 - cp_rank) * chunk + steps])
 
 
+def cp_packed_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """cp_positions of every sequence of a pack, concatenated in pack order (what cp_index holds, less each
+    sequence's start), without a loop over the sequences: per layer in the rotary embedding (models/rope.py).
+    `cu_seqlens`: a tensor of the boundaries before the CP split, on the tokens' device."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    local = lengths // cp_size
+    starts = torch.cumsum(local, 0) - local
+    index = torch.arange(int(local.sum()), device=cu_seqlens.device)
+    within = index - torch.repeat_interleave(starts, local)  # position in this rank's part of the sequence
+    if cp_size == 1:
+        return within
+    chunk = torch.repeat_interleave(local // 2, local)
+    full = torch.repeat_interleave(lengths, local)
+    # first chunk: cp_rank x chunk + i; second: (full - (cp_rank + 1) x chunk) + (i - chunk)
+    return torch.where(within < chunk, cp_rank * chunk + within, full - (cp_rank + 2) * chunk + within)
+
+
 def cp_index(cu_seqlens: list[int], cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Indices (into a row of packed sequences with boundaries `cu_seqlens`) of the tokens `cp_rank` holds, in local
     order: each sequence split on its own, the local parts concatenated in pack order. One unpacked sequence of
