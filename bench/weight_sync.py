@@ -1,8 +1,8 @@
-"""Weight sync seconds and bytes/s from a TP=2 actor into an SGLang engine (colocated tensor transport) for a
+"""Weight sync seconds and bytes/s from a TP=2 (--tp) actor into an SGLang engine (colocated tensor transport) for a
 ~125M-parameter Llama-style model, vs a plain in-process copy of the same bytes (the baseline, same process), and
 rank 0's peak extra memory vs the bucket size. Prints JSON lines.
 
-    .venv/bin/python bench/weight_sync.py [--buckets-mb 16 64 256] [--repeats 3]
+    .venv/bin/python bench/weight_sync.py [--buckets-mb 16 64 256] [--repeats 3] [--tp 2]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rlhf_mc.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
 
-def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int) -> list[dict] | None:
+def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp: int) -> list[dict] | None:
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
@@ -33,7 +33,7 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int) -> 
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync
 
-    parallel = ParallelConfig(tp=2)
+    parallel = ParallelConfig(tp=tp)
     init_parallel(parallel)
     model = model_config_from_hf(read_hf_config(model_dir))
     chunks = build_model(model, parallel, init_weights=False)
@@ -68,18 +68,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--buckets-mb", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=2, help="the actor's TP (gathers each tensor over gloo)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "hf"
         params = write_model(model_dir)
         engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="float32"))
         try:
-            rows = spawn(actor, 2, str(model_dir), engine.urls[0].removeprefix("http://"), args.buckets_mb,
-                         args.repeats)[0]
+            rows = spawn(actor, args.tp, str(model_dir), engine.urls[0].removeprefix("http://"), args.buckets_mb,
+                         args.repeats, args.tp)[0]
         finally:
             engine.shutdown()
     for row in rows:
-        emit(bench="weight_sync", transport="tensor", actor="tp2", engine="tp1", params=params,
+        emit(bench="weight_sync", transport="tensor", actor=f"tp{args.tp}", engine="tp1", params=params,
              bucket_mb=row["bucket_mb"], mb=round(row["bytes"] / 2**20, 1), buckets=row["buckets"],
              seconds=round(row["seconds"], 3), mb_per_s=round(row["bytes"] / 2**20 / row["seconds"], 1),
              baseline_copy_seconds=round(row["copy_seconds"], 4),

@@ -36,11 +36,16 @@ def _actor_logprobs(chunks, responses: list[list[int]]) -> list[torch.Tensor]:
     return batch.masked(compute_log_prob(chunks, batch)["logprobs"])
 
 
+def shared_files(serialized: str) -> set[bytes]:
+    """The shared-memory files a CPU payload refers to."""
+    strings = [arg for _, arg, _ in pickletools.genops(base64.b64decode(serialized)) if isinstance(arg, bytes)]
+    return {s for s in strings if re.match(rb"/torch_\d+_", s)}
+
+
 def payload_producer(serialized: str) -> int:
     """The pid of the process whose shared memory a CPU payload refers to."""
-    strings = [arg for _, arg, _ in pickletools.genops(base64.b64decode(serialized)) if isinstance(arg, bytes)]
-    pids = {int(m.group(1)) for s in strings for m in [re.match(rb"/torch_(\d+)_", s)] if m}
-    assert len(pids) == 1, strings
+    pids = {int(re.match(rb"/torch_(\d+)_", s).group(1)) for s in shared_files(serialized)}
+    assert len(pids) == 1, serialized
     return pids.pop()
 
 
@@ -267,3 +272,32 @@ def test_colocated_engines_are_fed_by_the_ranks_on_their_devices(sglang_engine, 
     buckets = results[0]["steps"][0]["stats"].buckets
     assert posted[0] == [(0, [pids[0], pids[1]])] * (buckets * (STEPS + REPEATS))
     assert posted[2] == [(1, [pids[2]])] * (buckets * (STEPS + REPEATS))
+
+
+def test_buckets_share_one_staging_file_and_arrive_intact():
+    """On CPU every bucket is laid out in the same shared-memory staging (a new file per bucket costs ~4x a copy):
+    two buckets of mixed dtypes name one file, and each deserializes to its own tensors, bit for bit."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from rlhf_mc.rollout.sglang_engine import shared_staging, tensor_payload
+
+    g = torch.Generator().manual_seed(0)
+    buckets = [[("a", torch.randn(3, 5, generator=g).to(torch.bfloat16)), ("b", torch.randn(7, generator=g)),
+                ("c", torch.randn(4, 4, generator=g).t())],  # not contiguous
+               [("d", torch.randn(2, 9, generator=g)), ("e", torch.randn(5, generator=g).to(torch.bfloat16))]]
+    staging = shared_staging(1024)
+    files = []
+    for bucket in buckets:
+        payload = tensor_payload(bucket, staging)
+        files.append(shared_files(payload.serialized))
+        received = MultiprocessingSerializer.deserialize(base64.b64decode(payload.serialized))
+        tensors = dict(FlattenedTensorBucket(flattened_tensor=received["flattened_tensor"],
+                                             metadata=received["metadata"]).reconstruct_tensors())
+        assert tensors.keys() == dict(bucket).keys()
+        for name, sent in bucket:
+            assert tensors[name].dtype == sent.dtype and torch.equal(tensors[name], sent), name
+    assert files[0] == files[1] and len(files[0]) == 1
+    assert shared_files(tensor_payload(buckets[0]).serialized) != files[0]  # without staging: a file of its own
+    with pytest.raises(ValueError, match="does not fit the 16-byte staging"):
+        tensor_payload(buckets[0], shared_staging(16))

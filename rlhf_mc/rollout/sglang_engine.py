@@ -93,12 +93,15 @@ def _routed_experts(meta: dict, tokens: int, url: str) -> torch.Tensor:
     return torch.from_numpy(ids.astype(np.int16)).reshape(tokens, -1)
 
 
-def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> TensorPayload:
-    """A bucket as SGLang's FlattenedTensorBucket (one new byte tensor: never the model's own storage), serialized by
+def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
+                   ) -> TensorPayload:
+    """A bucket as SGLang's FlattenedTensorBucket (one byte tensor: never the model's own storage), serialized by
     reference: a CUDA IPC handle named by device UUID on GPU, a shared-memory file on CPU. Tensors are laid out by
-    element size, largest first, so every tensor starts at an offset its dtype can be viewed at."""
+    element size, largest first, so every tensor starts at an offset its dtype can be viewed at. `staging`: a byte
+    tensor in shared memory (shared_staging) to lay the bucket out in, reused from bucket to bucket; without it, a
+    new tensor per bucket."""
     from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     if cpu.on_cpu():
         cpu.prepare_tensor_sender()
@@ -107,11 +110,29 @@ def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]]) -> TensorPaylo
 
         monkey_patch_torch_reductions()
     ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
-    bucket = FlattenedTensorBucket(named_tensors=[(name, t.detach().contiguous()) for name, t in ordered])
-    flat = bucket.get_flattened_tensor()
-    text = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": bucket.get_metadata()},
-                                               output_str=True)
+    metadata, offset = [], 0
+    for name, t in ordered:
+        size = t.numel() * t.element_size()
+        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + size, size))
+        offset += size
+    if staging is None:
+        flat = torch.empty(offset, dtype=torch.uint8, device=ordered[0][1].device)
+    elif staging.numel() < offset:
+        raise ValueError(f"tensor_payload: a {offset}-byte bucket does not fit the {staging.numel()}-byte staging")
+    else:
+        flat = staging[:offset]
+    for (_, t), meta in zip(ordered, metadata):
+        flat[meta.start_idx:meta.end_idx].view(meta.dtype).view(meta.shape).copy_(t)
+    text = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
     return TensorPayload(text, flat)
+
+
+def shared_staging(nbytes: int) -> torch.Tensor:
+    """A CPU byte tensor in shared memory for tensor_payload. Serializing a tensor that is not shared yet creates a
+    new shared-memory file and copies the tensor into it (torch's file_system sharing), whose fresh pages fault in
+    on the copy: per 256 MB bucket ~4x a plain copy. A staging buffer shared once is serialized by its file name."""
+    cpu.prepare_tensor_sender()
+    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
 class SGLangEngine:

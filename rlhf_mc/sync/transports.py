@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mc.config import RolloutConfig
-from rlhf_mc.rollout.sglang_engine import SGLangEngine, tensor_payload
+from rlhf_mc.rollout import cpu
+from rlhf_mc.rollout.sglang_engine import SGLangEngine, shared_staging, tensor_payload
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
@@ -59,6 +60,8 @@ class ColocatedTensors:
             if rank in ranks:
                 self.group, self.engine = group, e
         self.leader = self.engine is not None and rank == engine_ranks[self.engine][0]
+        self.staging = None  # on CPU: one shared-memory buffer for every bucket (shared_staging says why)
+        import sglang.srt.utils  # noqa: F401 - ~2.5 s of imports on CPU, paid here rather than in the first sync
         if self.leader:
             self.client = _client([addresses[self.engine]])
             if self.client.engine_tp[0] != len(engine_ranks[self.engine]):
@@ -72,7 +75,7 @@ class ColocatedTensors:
         error = self._call(lambda: (self.client.pause(), self.client.begin_weight_update(0)))
         members = self.engine_ranks[self.engine]
         for bucket in buckets:
-            payload = tensor_payload(bucket)
+            payload = tensor_payload(bucket, self._staging(bucket))
             gathered = [None] * len(members) if self.leader else None
             dist.gather_object(payload.serialized, gathered, dst=members[0], group=self.group)
             if error is None:
@@ -86,6 +89,15 @@ class ColocatedTensors:
         if not self.leader:
             return None
         return SendResult([] if error else [self.engine], {self.engine: error} if error else {})
+
+    def _staging(self, bucket) -> torch.Tensor | None:
+        if not cpu.on_cpu():
+            return None  # CUDA's caching allocator already reuses the memory of the last bucket
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.staging is None or self.staging.numel() < nbytes:
+            self.staging = None  # the old one goes before the new one comes
+            self.staging = shared_staging(nbytes)
+        return self.staging
 
     def _call(self, fn) -> str | None:
         """Runs an engine call on the leader; its failure as text (the stream must go on: others wait in it)."""
