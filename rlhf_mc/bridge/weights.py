@@ -117,6 +117,10 @@ class ExportPlan:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @property
+    def largest_bucket_bytes(self) -> int:
+        return max(sum(self.entries[i].nbytes for i in bucket) for bucket in self.buckets)
+
 
 def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**20) -> ExportPlan:
     """Every exported parameter of the model with its owner, shape and dtype, grouped in buckets of at most
@@ -189,10 +193,10 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
                     dist.broadcast(full, src=dist.get_global_rank(ep_group, entry.ep_rank), group=ep_group)
             elif entry.pp_rank == pp_rank:
                 local = params[(entry.chunk, entry.local_name)].detach()
-                if tp_dim is not None and tp > 1:
-                    shards = [torch.empty_like(local) for _ in range(tp)]
-                    dist.all_gather(shards, local.contiguous(), group=tp_group)
-                    full = torch.cat(shards, dim=tp_dim)
+                if tp_dim is not None and tp > 1:  # the shards in rank order along dim 0: the full tensor if tp_dim 0
+                    gathered = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=device)
+                    dist.all_gather_into_tensor(gathered, local.contiguous(), group=tp_group)
+                    full = gathered if tp_dim == 0 else torch.cat(gathered.chunk(tp), dim=tp_dim)
                 else:
                     full = local  # no copy: see the docstring
             else:
