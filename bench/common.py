@@ -1,4 +1,5 @@
-"""Shared by the bench scripts: JSON-line output and peak memory of a piece of work, child processes included."""
+"""Shared by the bench scripts: JSON-line output, peak memory of a piece of work (child processes included) and this
+machine's fp32 matmul FLOP/s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import psutil
+import torch
 
 
 def emit(**fields) -> None:
@@ -44,3 +46,15 @@ def peak_memory(interval_s: float = 0.02):
         stop.set()
         thread.join()
         result["seconds"] = time.perf_counter() - start
+
+
+def matmul_flops(seconds: float = 3.0) -> float:
+    """This machine's fp32 matmul FLOP/s (1024^3 products on all the cores torch uses here)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * 1024 ** 3 * count / (time.perf_counter() - start)

@@ -28,7 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, matmul_flops  # noqa: E402
 
 PROMPTS, N, LR = 32, 8, 1e-4
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
@@ -44,18 +44,6 @@ def write_model_config(path: Path, size: str) -> int:
         head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=16, max_position_embeddings=256, rope_theta=10000.0)))
     attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     return layers * (attention + 3 * hidden * ffn) + 16 * hidden
-
-
-def matmul_flops(seconds: float = 3.0) -> float:
-    """This machine's fp32 matmul FLOP/s (1024^3 products on all the cores torch uses here)."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    for _ in range(3):
-        a @ b
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-    return 2 * 1024 ** 3 * count / (time.perf_counter() - start)
 
 
 def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int) -> tuple[dict, Path]:

@@ -2,7 +2,10 @@
 32-512 tokens) on a ~8M-parameter model, through rlhf_mc (host-memory reference swapped into the actor, packed,
 micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded batched transformers forward and
 (c) transformers on length-sorted padded batches of 8 (what a careful transformers user does).
-Each runs in its own process, measured for time and peak RSS. Prints JSON lines with ratios.
+Each runs in its own process, measured for time and peak RSS. Prints JSON lines with ratios, and each run's FLOP/s
+as a fraction of this machine's fp32 matmul FLOP/s (the forward's matmuls: 2 x matmul parameters per token, and
+causal attention, 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted
+baseline's time over those FLOPs at the peak: the most any system could beat it by on this machine.
 
     .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192]
 """
@@ -20,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, peak_memory  # noqa: E402
+from bench.common import emit, matmul_flops, peak_memory  # noqa: E402
 from rlhf_mc.config import ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
@@ -33,13 +36,25 @@ def workload(n: int):
     return [torch.randint(0, 1024, (PROMPT + r,), generator=g) for r in responses]
 
 
+MODEL = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=32, vocab_size=1024, max_position_embeddings=1024)
+
+
 def write_model(out: Path) -> None:
     import transformers as T
 
-    config = T.LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                           num_key_value_heads=4, head_dim=32, vocab_size=1024, max_position_embeddings=1024)
     torch.manual_seed(0)
-    T.LlamaForCausalLM(config).save_pretrained(out)
+    T.LlamaForCausalLM(T.LlamaConfig(**MODEL)).save_pretrained(out)
+
+
+def forward_flops(seqs: list[torch.Tensor]) -> float:
+    """The forward's matmul FLOPs over `seqs` (no padding, causal attention counted once per query-key pair)."""
+    h, heads, kv, d = MODEL["hidden_size"], MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+    per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * MODEL["intermediate_size"]
+    matmul_params = MODEL["num_hidden_layers"] * per_layer + h * MODEL["vocab_size"]  # + the LM head
+    tokens = sum(len(s) for s in seqs)
+    pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
+    return 2 * matmul_params * tokens + MODEL["num_hidden_layers"] * 4 * heads * d * pairs
 
 
 def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
@@ -126,6 +141,9 @@ def main() -> None:
     n = args.sequences
     response_tokens = sum(len(s) - PROMPT for s in workload(n))
     all_tokens = sum(len(s) for s in workload(n))
+    peak, flops = matmul_flops(), forward_flops(workload(n))
+    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(peak / 1e9, 1), unit="GFLOP/s",
+         threads=torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "model")
         write_model(Path(model_dir))
@@ -146,7 +164,10 @@ def main() -> None:
     for system, (seconds, mb) in runs.items():
         emit(bench="ref_logprob", system=system, sequences=n, tokens=all_tokens, response_tokens=response_tokens,
              seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1), peak_process_mb=round(mb, 1),
-             rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2))
+             rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
+             mfu=round(flops / seconds / peak, 3))
+    emit(bench="ref_logprob", figure="ratio_at_peak", gflop=round(flops / 1e9, 1),
+         value=round(runs["transformers_length_sorted_batches_of_8"][0] / (flops / peak), 2))
 
 
 if __name__ == "__main__":
