@@ -49,7 +49,8 @@ def write_model(out: Path) -> None:
 
 def forward_flops(seqs: list[torch.Tensor]) -> float:
     """The forward's matmul FLOPs over `seqs` (no padding, causal attention counted once per query-key pair)."""
-    h, heads, kv, d = MODEL["hidden_size"], MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+    h, d = MODEL["hidden_size"], MODEL["head_dim"]
+    heads, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
     per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * MODEL["intermediate_size"]
     matmul_params = MODEL["num_hidden_layers"] * per_layer + h * MODEL["vocab_size"]  # + the LM head
     tokens = sum(len(s) for s in seqs)

@@ -93,22 +93,13 @@ def _routed_experts(meta: dict, tokens: int, url: str) -> torch.Tensor:
     return torch.from_numpy(ids.astype(np.int16)).reshape(tokens, -1)
 
 
-def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
-                   ) -> TensorPayload:
-    """A bucket as SGLang's FlattenedTensorBucket (one byte tensor: never the model's own storage), serialized by
-    reference: a CUDA IPC handle named by device UUID on GPU, a shared-memory file on CPU. Tensors are laid out by
-    element size, largest first, so every tensor starts at an offset its dtype can be viewed at. `staging`: a byte
-    tensor in shared memory (shared_staging) to lay the bucket out in, reused from bucket to bucket; without it, a
-    new tensor per bucket."""
-    from sglang.srt.utils import MultiprocessingSerializer
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None):
+    """A bucket as SGLang's FlattenedTensorBucket: one byte tensor (never the model's own storage) and its
+    FlattenedTensorMetadata list. Tensors are laid out by element size, largest first, so every tensor starts at an
+    offset its dtype can be viewed at. `staging`: a byte tensor to lay the bucket out in (shared_staging); else a
+    new one."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    if cpu.on_cpu():
-        cpu.prepare_tensor_sender()
-    else:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
     ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
     metadata, offset = [], 0
     for name, t in ordered:
@@ -118,11 +109,27 @@ def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch
     if staging is None:
         flat = torch.empty(offset, dtype=torch.uint8, device=ordered[0][1].device)
     elif staging.numel() < offset:
-        raise ValueError(f"tensor_payload: a {offset}-byte bucket does not fit the {staging.numel()}-byte staging")
+        raise ValueError(f"flatten_bucket: a {offset}-byte bucket does not fit the {staging.numel()}-byte staging")
     else:
         flat = staging[:offset]
     for (_, t), meta in zip(ordered, metadata):
         flat[meta.start_idx:meta.end_idx].view(meta.dtype).view(meta.shape).copy_(t)
+    return flat, metadata
+
+
+def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
+                   ) -> TensorPayload:
+    """A bucket flattened (flatten_bucket, into `staging` if given), serialized by reference: a CUDA IPC handle named
+    by device UUID on GPU, a shared-memory file on CPU."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    if cpu.on_cpu():
+        cpu.prepare_tensor_sender()
+    else:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+    flat, metadata = flatten_bucket(named_tensors, staging)
     text = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
     return TensorPayload(text, flat)
 
@@ -409,8 +416,6 @@ class SGLangEngine:
                                         broadcast: Callable[[torch.Tensor], None], version: int) -> None:
         """Every engine receives each bucket as one flattened tensor (the `flattened_bucket` load format) while
         `broadcast(flat)` sends it from rank 0 of the weight group (connect_weight_group)."""
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
         if self._weight_group is None:
             raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first")
         engines = range(len(self.urls))
@@ -419,17 +424,16 @@ class SGLangEngine:
             for engine in engines:
                 self.begin_weight_update(engine)
             for bucket in buckets:
-                ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # as tensor_payload: aligned
-                payload = {"names": [n for n, _ in ordered],
-                           "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
-                           "shapes": [list(t.shape) for _, t in ordered], "group_name": self._weight_group,
+                flat, metadata = flatten_bucket(bucket)
+                payload = {"names": [m.name for m in metadata],
+                           "dtypes": [str(m.dtype).removeprefix("torch.") for m in metadata],
+                           "shapes": [list(m.shape) for m in metadata], "group_name": self._weight_group,
                            "load_format": "flattened_bucket", "flush_cache": False}
-                flat = FlattenedTensorBucket(named_tensors=[(n, t.contiguous()) for n, t in ordered])
                 calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
                                                                      payload))
                          for engine in engines]
                 try:
-                    broadcast(flat.get_flattened_tensor())  # a receiver that refused makes this time out, not hang
+                    broadcast(flat)  # a receiver that refused makes this time out, not hang
                 finally:
                     for call in calls:
                         call.join_or_raise()
