@@ -113,7 +113,7 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch
     else:
         flat = staging[:offset]
     for (_, t), meta in zip(ordered, metadata):
-        flat[meta.start_idx:meta.end_idx].view(meta.dtype).view(meta.shape).copy_(t)
+        flat[meta.start_idx:meta.end_idx].view(meta.dtype).view(meta.shape).copy_(t.detach())
     return flat, metadata
 
 

@@ -61,7 +61,8 @@ class ColocatedTensors:
                 self.group, self.engine = group, e
         self.leader = self.engine is not None and rank == engine_ranks[self.engine][0]
         self.staging = None  # on CPU: one shared-memory buffer for every bucket (shared_staging says why)
-        import sglang.srt.utils  # noqa: F401 - ~2.5 s of imports on CPU, paid here rather than in the first sync
+        if self.engine is not None:
+            import sglang.srt.utils  # noqa: F401 - ~2.5 s of imports on CPU, paid here rather than in the first sync
         if self.leader:
             self.client = _client([addresses[self.engine]])
             if self.client.engine_tp[0] != len(engine_ranks[self.engine]):
