@@ -1,5 +1,5 @@
-"""Shared by the bench scripts: JSON-line output, peak memory of a piece of work (child processes included) and this
-machine's fp32 matmul FLOP/s."""
+"""Shared by the bench scripts: JSON-line output, peak memory of a piece of work (child processes included), this
+machine's fp32 matmul FLOP/s and a Llama-shaped model's matmul parameters."""
 
 from __future__ import annotations
 
@@ -58,3 +58,11 @@ def matmul_flops(seconds: float = 3.0) -> float:
         a @ b
         count += 1
     return 2 * 1024 ** 3 * count / (time.perf_counter() - start)
+
+
+def llama_matmul_params(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int
+                        ) -> int:
+    """The parameters a token's forward multiplies by (2 FLOPs each): every layer's q, k, v, o and gated MLP, and the
+    LM head (not the embedding: a lookup)."""
+    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    return layers * (attention + 3 * hidden * ffn) + vocab * hidden

@@ -28,7 +28,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit, matmul_flops  # noqa: E402
+from bench.common import emit, llama_matmul_params, matmul_flops  # noqa: E402
 
 PROMPTS, N, LR = 32, 8, 1e-4
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
@@ -42,8 +42,7 @@ def write_model_config(path: Path, size: str) -> int:
     path.write_text(yaml.safe_dump(dict(
         family="llama", hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=16, max_position_embeddings=256, rope_theta=10000.0)))
-    attention = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-    return layers * (attention + 3 * hidden * ffn) + 16 * hidden
+    return llama_matmul_params(hidden, layers, heads, kv_heads, head_dim, ffn, vocab=16)
 
 
 def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int) -> tuple[dict, Path]:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, matmul_flops, peak_memory  # noqa: E402
+from bench.common import emit, llama_matmul_params, matmul_flops, peak_memory  # noqa: E402
 from rlhf_mc.config import ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
@@ -49,13 +49,12 @@ def write_model(out: Path) -> None:
 
 def forward_flops(seqs: list[torch.Tensor]) -> float:
     """The forward's matmul FLOPs over `seqs` (no padding, causal attention counted once per query-key pair)."""
-    h, d = MODEL["hidden_size"], MODEL["head_dim"]
-    heads, kv = MODEL["num_attention_heads"], MODEL["num_key_value_heads"]
-    per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * MODEL["intermediate_size"]
-    matmul_params = MODEL["num_hidden_layers"] * per_layer + h * MODEL["vocab_size"]  # + the LM head
+    layers, heads, d = MODEL["num_hidden_layers"], MODEL["num_attention_heads"], MODEL["head_dim"]
+    matmul_params = llama_matmul_params(MODEL["hidden_size"], layers, heads, MODEL["num_key_value_heads"], d,
+                                        MODEL["intermediate_size"], MODEL["vocab_size"])
     tokens = sum(len(s) for s in seqs)
     pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
-    return 2 * matmul_params * tokens + MODEL["num_hidden_layers"] * 4 * heads * d * pairs
+    return 2 * matmul_params * tokens + layers * 4 * heads * d * pairs
 
 
 def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
@@ -140,9 +139,10 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     args = parser.parse_args()
     n = args.sequences
-    response_tokens = sum(len(s) - PROMPT for s in workload(n))
-    all_tokens = sum(len(s) for s in workload(n))
-    peak, flops = matmul_flops(), forward_flops(workload(n))
+    seqs = workload(n)
+    response_tokens = sum(len(s) - PROMPT for s in seqs)
+    all_tokens = sum(len(s) for s in seqs)
+    peak, flops = matmul_flops(), forward_flops(seqs)
     emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(peak / 1e9, 1), unit="GFLOP/s",
          threads=torch.get_num_threads())
     with tempfile.TemporaryDirectory() as tmp:
