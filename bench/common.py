@@ -3,7 +3,9 @@ machine's fp32 matmul FLOP/s and a Llama-shaped model's matmul parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import threading
 import time
 from contextlib import contextmanager
@@ -58,6 +60,36 @@ def matmul_flops(seconds: float = 3.0) -> float:
         a @ b
         count += 1
     return 2 * 1024 ** 3 * count / (time.perf_counter() - start)
+
+
+def _to_queue(fn, args, queue) -> None:
+    queue.put(fn(*args))
+
+
+def in_child(fn, *args, as_rank: bool = False):
+    """fn(*args) in a fresh process (its own memory and threads); `as_rank`: started as rlhf_mc starts its CPU
+    ranks (runtime/host.py's exec_env: MKL's AVX-512 kernels on an AMD CPU), else as a user's plain process."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_to_queue, args=(fn, args, queue))
+    from rlhf_mc.runtime import host
+
+    with host.children_as_cpu_ranks() if as_rank else contextlib.nullcontext():
+        proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def matmul_peak() -> float:
+    """This machine's fp32 matmul FLOP/s, what MFU figures divide by: measured in a plain process (torch as a
+    user's script runs it) and in one started as rlhf_mc starts its CPU ranks (on an AMD CPU, MKL's AVX-512
+    kernels: runtime/host.py); prints both, returns the larger."""
+    here = in_child(matmul_flops)
+    rank = in_child(matmul_flops, as_rank=True)
+    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(max(here, rank) / 1e9, 1), unit="GFLOP/s",
+         threads=torch.get_num_threads(), plain_torch=round(here / 1e9, 1), rlhf_mc_rank=round(rank / 1e9, 1))
+    return max(here, rank)
 
 
 def llama_matmul_params(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int

@@ -22,13 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit, llama_matmul_params, matmul_flops  # noqa: E402
+from bench.common import emit, llama_matmul_params, matmul_peak  # noqa: E402
 
 PROMPTS, N, LR = 32, 8, 1e-4
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
@@ -113,9 +112,7 @@ def main() -> None:
     except ImportError:
         trl = None
         emit(figure="trl GRPOTrainer step", value=None, note="trl is not installed: pip install trl")
-    peak = matmul_flops()
-    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(peak / 1e9, 1), unit="GFLOP/s",
-         threads=torch.get_num_threads())
+    peak = matmul_peak()
     for size in args.sizes:
         for length in args.response_lengths:
             with tempfile.TemporaryDirectory() as tmp:

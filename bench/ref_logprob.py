@@ -1,11 +1,13 @@
 """compute_ref_log_prob throughput and peak memory: ~700 sequences (64-token prompts, responses spread over
 32-512 tokens) on a ~8M-parameter model, through rlhf_mc (host-memory reference swapped into the actor, packed,
 micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded batched transformers forward and
-(c) transformers on length-sorted padded batches of 8 (what a careful transformers user does).
-Each runs in its own process, measured for time and peak RSS. Prints JSON lines with ratios, and each run's FLOP/s
-as a fraction of this machine's fp32 matmul FLOP/s (the forward's matmuls: 2 x matmul parameters per token, and
-causal attention, 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted
-baseline's time over those FLOPs at the peak: the most any system could beat it by on this machine.
+(c) transformers on length-sorted padded batches of 8 (what a careful transformers user does), in a plain process,
+and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU, MKL's AVX-512 kernels,
+runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
+measured for time and peak RSS. Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's
+fp32 matmul FLOP/s (the forward's matmuls: 2 x matmul parameters per token, and causal attention,
+2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
+over those FLOPs at the peak: the most any system could beat it by on this machine.
 
     .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192]
 """
@@ -13,7 +15,6 @@ baseline's time over those FLOPs at the peak: the most any system could beat it 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import sys
 import tempfile
 import time
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, llama_matmul_params, matmul_flops, peak_memory  # noqa: E402
+from bench.common import emit, in_child, llama_matmul_params, matmul_peak, peak_memory  # noqa: E402
 from rlhf_mc.config import ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
@@ -77,7 +78,7 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def hf_loop(model_dir: str, n: int, out) -> None:
+def hf_loop(model_dir: str, n: int) -> float:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -87,7 +88,7 @@ def hf_loop(model_dir: str, n: int, out) -> None:
         for s in seqs:
             logits = model(s.unsqueeze(0)).logits[0, PROMPT - 1:-1]
             torch.log_softmax(logits.float(), -1).gather(-1, s[PROMPT:, None])
-    out.put(time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 def padded_logprobs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -100,7 +101,7 @@ def padded_logprobs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
 
 
-def hf_padded(model_dir: str, n: int, out) -> None:
+def hf_padded(model_dir: str, n: int) -> float:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -108,10 +109,10 @@ def hf_padded(model_dir: str, n: int, out) -> None:
     start = time.perf_counter()
     with torch.no_grad():
         padded_logprobs(model, seqs)
-    out.put(time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
-def hf_sorted_batches(model_dir: str, n: int, out, batch: int = 8) -> None:
+def hf_sorted_batches(model_dir: str, n: int, batch: int = 8) -> float:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -120,17 +121,7 @@ def hf_sorted_batches(model_dir: str, n: int, out, batch: int = 8) -> None:
     with torch.no_grad():
         for first in range(0, n, batch):
             padded_logprobs(model, seqs[first:first + batch])
-    out.put(time.perf_counter() - start)
-
-
-def in_child(fn, *args) -> float:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=fn, args=(*args, queue))
-    proc.start()
-    seconds = queue.get()
-    proc.join()
-    return seconds
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -142,9 +133,7 @@ def main() -> None:
     seqs = workload(n)
     response_tokens = sum(len(s) - PROMPT for s in seqs)
     all_tokens = sum(len(s) for s in seqs)
-    peak, flops = matmul_flops(), forward_flops(seqs)
-    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(peak / 1e9, 1), unit="GFLOP/s",
-         threads=torch.get_num_threads())
+    peak, flops = matmul_peak(), forward_flops(seqs)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "model")
         write_model(Path(model_dir))
@@ -161,6 +150,9 @@ def main() -> None:
         with peak_memory() as m:
             seconds = in_child(hf_sorted_batches, model_dir, n)
         runs["transformers_length_sorted_batches_of_8"] = (seconds, m["peak_process_mb"])
+        with peak_memory() as m:
+            seconds = in_child(hf_sorted_batches, model_dir, n, as_rank=True)
+        runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (seconds, m["peak_process_mb"])
     ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
     for system, (seconds, mb) in runs.items():
         emit(bench="ref_logprob", system=system, sequences=n, tokens=all_tokens, response_tokens=response_tokens,

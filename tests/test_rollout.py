@@ -326,3 +326,17 @@ def test_cpu_server_threads_are_the_cores_per_tp_rank_not_rays_one():
     cores = os.cpu_count()
     assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 1)["OMP_NUM_THREADS"] == str(cores)
     assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+
+
+def test_cpu_server_gets_mkl_avx512_kernels_after_inherited_preloads():
+    """On an AMD CPU the server's matmuls take MKL's AVX-512 kernels as the trainer ranks' do (runtime/host.py), a
+    preload it inherits is kept, and the library is not preloaded twice."""
+    from rlhf_mc.rollout import cpu
+    from rlhf_mc.runtime import host
+
+    lib = host.mkl_preload()
+    if lib is None:
+        pytest.skip("MKL picks AVX-512 kernels by itself on this CPU")
+    assert cpu.server_env({}, 1)["LD_PRELOAD"] == lib
+    assert cpu.server_env({"LD_PRELOAD": "/x/a.so"}, 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
+    assert cpu.server_env({"LD_PRELOAD": f"/x/a.so {lib}"}, 1)["LD_PRELOAD"] == f"/x/a.so {lib}"

@@ -4,7 +4,7 @@
   module level and never calls them on the normal path) and a sitecustomize that makes torch.cuda.synchronize a
   no-op (release_memory_occupation calls it). Put first on the server's PYTHONPATH.
 - SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; OMP_NUM_THREADS = the machine's cores / TP (not Ray's 1); glibc
-  malloc settings that keep freed memory (runtime/host.py); a KV cache of 65536 tokens and mem_fraction_static 0.1
+  malloc settings that keep freed memory and MKL's AVX-512 kernels on AMD CPUs (runtime/host.py); a KV cache of 65536 tokens and mem_fraction_static 0.1
   unless the config says otherwise (SGLang's defaults reserve ~14 GB).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
   (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
@@ -46,7 +46,7 @@ def server_env(env: dict[str, str], tp: int) -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     # A server started from a Ray actor inherits Ray's OMP_NUM_THREADS=1: it would decode on one core of the machine.
     env["OMP_NUM_THREADS"] = str(host.cores_per(tp))
-    env.update(host.malloc_env())
+    env.update(host.exec_env(env))
     if tp > 1:
         env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", thread_binding(tp))
         env["SGLANG_NCCL_SO_PATH"] = str(CPU_SITE / "no-nccl-on-cpu.so")  # does not exist, on purpose

@@ -88,21 +88,6 @@ def spawn_device(world_size: int, device: Literal["auto", "cuda", "cpu"] = "auto
     return device
 
 
-@contextlib.contextmanager
-def _visible_devices(device: str):
-    """Processes started inside see no GPU when `device` is "cpu" (they inherit the environment at start)."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0,
           skip_cpu_shims: tuple[str, ...] = (), device: Literal["auto", "cuda", "cpu"] = "auto") -> list[Any]:
     """Returns [fn's result on rank 0, ..., rank N-1]. `fn` must be importable (defined at module level)."""
@@ -111,7 +96,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 900.0,
         port = free_port()
         procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, out_dir, args, skip_cpu_shims))
                  for rank in range(world_size)]
-        with _visible_devices(spawn_device(world_size, device)):
+        on_cpu = spawn_device(world_size, device) == "cpu"
+        # CPU ranks see no GPU, and get MKL's AVX-512 kernels on an AMD CPU (host.exec_env)
+        with host.children_as_cpu_ranks(CUDA_VISIBLE_DEVICES="") if on_cpu else contextlib.nullcontext():
             for p in procs:
                 p.start()
         try:

@@ -23,6 +23,7 @@ import torch
 from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig, RouterConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
+from rlhf_mc.runtime import host
 from rlhf_mc.trainer.plan import Plan
 from rlhf_mc.trainer.recipe import Recipe
 
@@ -32,13 +33,17 @@ log = logging.getLogger("rlhf_mc.trainer")
 def start_ray(address: str | None, plan: Plan) -> None:
     """Joins the cluster at `address` (or RAY_ADDRESS); otherwise starts a local instance with one logical CPU per
     device (ranks on a CPU machine take a CPU each, whatever the core count). The caller's SIGTERM handler stays:
-    Ray's driver puts one in place that aborts the process, which would skip every clean-up."""
+    Ray's driver puts one in place that aborts the process, which would skip every clean-up. The workers of a local
+    CPU instance get host.exec_env (MKL's AVX-512 kernels on an AMD CPU; a cluster's nodes would each need the
+    library this node built)."""
     import ray
 
     if ray.is_initialized():
         return
     env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}}
     address = address or os.environ.get("RAY_ADDRESS")
+    if not address and plan.device == "cpu":
+        env["env_vars"].update(host.exec_env(os.environ))
     on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
