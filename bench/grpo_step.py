@@ -9,7 +9,9 @@ gain over TRL on these cores).
 
 Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights) and every
 response runs to the limit in both (ours: rollout.ignore_eos; TRL: min_new_tokens), so both do the same work. Ours
-runs Ray + Megatron + SGLang on CPU; TRL runs transformers' generate and its trainer in this process.
+runs Ray + Megatron + SGLang on CPU; TRL runs transformers' generate and its trainer in a plain process of its own,
+and with --trl-as-rank also in one started as our ranks are (on an AMD CPU, MKL's AVX-512 kernels,
+runtime/host.py): how much of the ratio is the kernels and how much the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import emit, llama_matmul_params, matmul_peak  # noqa: E402
+from bench.common import emit, in_child, llama_matmul_params, matmul_peak  # noqa: E402
 
 PROMPTS, N, LR = 32, 8, 1e-4
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--response-lengths", nargs="+", type=int, default=[6, 32, 128])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trl-as-rank", action="store_true", help="also run TRL started as our CPU ranks are")
     args = parser.parse_args()
     try:
         import trl  # noqa: F401
@@ -131,7 +134,7 @@ def main() -> None:
                         emit(figure=f"ours {key}", **config, value=round(seconds, 4), unit="s", mfu=mfu)
                 if trl is None:
                     continue
-                step, trl_length = trl_step(model_dir, length, args.steps, args.warmup)
+                step, trl_length = in_child(trl_step, model_dir, length, args.steps, args.warmup)
                 ours_step = phases["timing/step_s"]
                 # both do one generation (2 x params x token) and one forward + backward (6 x) per token: the step's
                 # fraction of the machine's matmul peak, and the ratio the peak itself allows over TRL
@@ -142,6 +145,12 @@ def main() -> None:
                      ours_step_mfu=round(step_flops / ours_step / peak, 3),
                      baseline_step_mfu=round(step_flops / step / peak, 3),
                      ratio_at_peak=round(step / (step_flops / peak), 2))
+                if args.trl_as_rank:
+                    as_rank, _ = in_child(trl_step, model_dir, length, args.steps, args.warmup, as_rank=True)
+                    emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
+                         baseline="trl GRPOTrainer started as our CPU ranks", baseline_s=round(as_rank, 3),
+                         ratio_baseline_over_ours=round(as_rank / ours_step, 2),
+                         baseline_step_mfu=round(step_flops / as_rank / peak, 3))
 
 
 if __name__ == "__main__":
