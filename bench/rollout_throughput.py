@@ -1,6 +1,8 @@
 """Rollout tokens/s through rlhf_mc's SGLang engine vs the raw SGLang server (one batched HTTP request) vs
 transformers' generate, same model and batch, in one invocation, for the model sizes of bench/grpo_step.py (with a
-2048-token vocabulary). Every response runs to --new-tokens in all three. Prints JSON lines with the ratios.
+2048-token vocabulary). Every response runs to --new-tokens in all three. generate runs in a plain process of its
+own and in one started as our CPU ranks and servers are (on an AMD CPU, MKL's AVX-512 kernels, runtime/host.py): how
+much of the ratio is the kernels and how much the rest. Prints JSON lines with the ratios.
 
     .venv/bin/python bench/rollout_throughput.py [--sizes 6m 50m --prompts 32 --n 8 --new-tokens 64]
 """
@@ -18,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, in_child  # noqa: E402
 from bench.grpo_step import SIZES  # noqa: E402
 from rlhf_mc.config import RolloutConfig  # noqa: E402
 from rlhf_mc.rollout.base import SamplingParams  # noqa: E402
@@ -35,7 +37,21 @@ def write_model(out: Path, size: str):
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(config).eval()
     model.save_pretrained(out)
-    return model
+    return sum(p.numel() for p in model.parameters())
+
+
+def hf_generate(model_dir: str, prompts: list[list[int]], n: int, new_tokens: int) -> tuple[float, int]:
+    """Seconds and new tokens of one sampled transformers generate over every prompt's n samples."""
+    import transformers as T
+
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    batch = torch.tensor(prompts).repeat_interleave(n, dim=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0, top_k=0,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return time.perf_counter() - start, (out.size(1) - batch.size(1)) * out.size(0)
 
 
 def main() -> None:
@@ -55,8 +71,7 @@ def measure(size: str, args) -> None:
     prompts = prompts.tolist()
     common = dict(bench="rollout_throughput", size=size, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model(Path(tmp) / "model", size)
-        params = sum(p.numel() for p in model.parameters())
+        params = write_model(Path(tmp) / "model", size)
         engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32",
                                             max_concurrency=args.prompts))
         try:
@@ -77,23 +92,20 @@ def measure(size: str, args) -> None:
         finally:
             engine.shutdown()
 
-        torch.manual_seed(0)
-        batch = torch.tensor(prompts).repeat_interleave(args.n, dim=0)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0,
-                                 top_k=0, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                 pad_token_id=0)
-        hf_s = time.perf_counter() - start
-        hf_tokens = (out.size(1) - batch.size(1)) * out.size(0)
+        hf_s, hf_tokens = in_child(hf_generate, str(Path(tmp) / "model"), prompts, args.n, args.new_tokens)
+        rank_s, rank_tokens = in_child(hf_generate, str(Path(tmp) / "model"), prompts, args.n, args.new_tokens,
+                                       as_rank=True)
 
-    ours, raw_tps, hf = ours_tokens / ours_s, raw_tokens / raw_s, hf_tokens / hf_s
+    ours, raw_tps, hf, hf_rank = ours_tokens / ours_s, raw_tokens / raw_s, hf_tokens / hf_s, rank_tokens / rank_s
     emit(**common, params=params, system="transformers_generate", tokens=hf_tokens, seconds=round(hf_s, 2),
          tokens_per_s=round(hf, 1))
+    emit(**common, params=params, system="transformers_generate_started_as_rlhf_mc_rank", tokens=rank_tokens,
+         seconds=round(rank_s, 2), tokens_per_s=round(hf_rank, 1))
     emit(**common, params=params, system="sglang_raw_http", tokens=raw_tokens, seconds=round(raw_s, 2),
          tokens_per_s=round(raw_tps, 1), vs_transformers=round(raw_tps / hf, 2))
     emit(**common, params=params, system="rlhf_mc_engine", tokens=ours_tokens, seconds=round(ours_s, 2),
-         tokens_per_s=round(ours, 1), vs_sglang_raw=round(ours / raw_tps, 2), vs_transformers=round(ours / hf, 2))
+         tokens_per_s=round(ours, 1), vs_sglang_raw=round(ours / raw_tps, 2), vs_transformers=round(ours / hf, 2),
+         vs_transformers_started_as_rank=round(ours / hf_rank, 2))
 
 
 if __name__ == "__main__":

@@ -82,13 +82,18 @@ def mkl_preload() -> str | None:
     if cc is None:
         log.warning("no C compiler (cc): MKL keeps its generic kernels on this AMD CPU (about half the matmul speed)")
         return None
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        source, built = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
-        source.write_text(MKL_VENDOR_SHIM)
-        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(built), str(source)], check=True,
-                       capture_output=True)
-        built.replace(lib)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            source, built = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
+            source.write_text(MKL_VENDOR_SHIM)
+            subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(built), str(source)], check=True,
+                           capture_output=True, text=True)
+            built.replace(lib)
+    except (OSError, subprocess.CalledProcessError) as e:  # a speed-up not had is no reason to stop a run
+        log.warning("could not build %s (%s): MKL keeps its generic kernels on this AMD CPU", lib,
+                    getattr(e, "stderr", None) or e)
+        return None
     return str(lib)
 
 
