@@ -1,5 +1,6 @@
 """Where local multi-process jobs run (runtime/spawn.py): a GPU per rank when the machine has enough, else every rank
-on the CPU with the GPUs hidden from it - so a TP x PP conversion or a multi-rank test runs on a 1-GPU machine."""
+on the CPU with the GPUs hidden from it - so a TP x PP conversion or a multi-rank test runs on a 1-GPU machine; and
+CPU ranks (spawned or Ray workers) started with MKL's AVX-512 kernels on an AMD CPU (runtime/host.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import os
 import pytest
 import torch
 
+from rlhf_mc.runtime import host
 from rlhf_mc.runtime.spawn import spawn, spawn_device
+
+# the library that gives MKL's AVX-512 kernels to an AMD CPU (runtime/host.py): only where it applies
+mkl_vendor_shim = pytest.mark.skipif(host.mkl_preload() is None, reason="not an AMD CPU with MKL, or no C compiler")
 
 
 def test_ranks_take_gpus_only_when_there_is_one_for_each(monkeypatch):
@@ -40,20 +45,34 @@ def _mkl_branch_and_error() -> tuple[int, float]:
     return lib.mkl_serv_cpu_detect(), ((a @ b).double() - exact).abs().max().item() / exact.abs().max().item()
 
 
+@mkl_vendor_shim
 def test_cpu_ranks_get_mkl_avx512_kernels_on_amd():
     """MKL gives an AMD CPU its generic kernels (half the matmul speed on this project's EPYC); a CPU rank is
     started with the library that makes it take its AVX-512 ones (runtime/host.py), with fp32's accuracy; the
     caller's environment is left as it was."""
-    from rlhf_mc.runtime import host
-
-    if not host.amd_cpu() or not torch.backends.mkl.is_available():
-        pytest.skip("MKL picks AVX-512 kernels by itself on this CPU")
     before = dict(os.environ)
     plain = _mkl_branch_and_error()
     ((branch, error),) = spawn(_mkl_branch_and_error, 1, device="cpu")
     assert (plain[0], branch) == (0, 7)
     assert error < 1e-5 and plain[1] < 1e-5
     assert dict(os.environ) == before
+
+
+@mkl_vendor_shim
+def test_local_ray_workers_get_mkl_avx512_kernels_on_amd():
+    """The trainer's ranks are Ray workers: a local CPU instance starts them with the same library."""
+    import types
+
+    import ray
+
+    from rlhf_mc.trainer.placement import start_ray
+
+    try:
+        start_ray(None, types.SimpleNamespace(device="cpu", devices=1))
+        branch, error = ray.get(ray.remote(_mkl_branch_and_error).remote())
+    finally:
+        ray.shutdown()
+    assert branch == 7 and error < 1e-5
 
 
 def test_tools_refuse_cuda_without_a_gpu_per_rank(tmp_path):

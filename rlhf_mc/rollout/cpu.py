@@ -4,8 +4,8 @@
   module level and never calls them on the normal path) and a sitecustomize that makes torch.cuda.synchronize a
   no-op (release_memory_occupation calls it). Put first on the server's PYTHONPATH.
 - SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; OMP_NUM_THREADS = the machine's cores / TP (not Ray's 1); glibc
-  malloc settings that keep freed memory and MKL's AVX-512 kernels on AMD CPUs (runtime/host.py); a KV cache of 65536 tokens and mem_fraction_static 0.1
-  unless the config says otherwise (SGLang's defaults reserve ~14 GB).
+  malloc settings that keep freed memory and MKL's AVX-512 kernels on AMD CPUs (runtime/host.py); a KV cache of
+  65536 tokens and mem_fraction_static 0.1 unless the config says otherwise (SGLang's defaults reserve ~14 GB).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
   (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
   installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
