@@ -18,6 +18,7 @@ flip a greedy token now and then (CI saw it at step 3 once)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -91,8 +92,21 @@ def _run_processes(out: Path) -> list[psutil.Process]:
 
 
 def _kill_run(proc: subprocess.Popen, out: Path) -> None:
-    """SIGKILL to the launcher's whole session (driver, Ray, workers), then anything still serving this run."""
+    """The whole run crashing at one instant: every process the launcher started (driver, Ray, workers) is stopped,
+    then SIGKILLed, then anything still serving this run. Each Ray worker has a process group of its own (killing
+    the launcher's group leaves them to exit once they notice the raylet gone): one that outlived the kill by a
+    moment once finished the checkpoint it was writing."""
+    launcher = psutil.Process(proc.pid)
+    stopped: list[psutil.Process] = []
+    while new := [p for p in [launcher, *launcher.children(recursive=True)] if p not in stopped]:
+        for p in new:  # stopped processes start no more; the next listing finds what started meanwhile
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.suspend()
+        stopped += new
     os.killpg(proc.pid, signal.SIGKILL)
+    for p in stopped:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     proc.wait()
     deadline = time.time() + 30
     while time.time() < deadline:
