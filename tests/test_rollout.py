@@ -72,6 +72,22 @@ def test_n_samples_with_temperature_scaled_logprobs(sglang_engine, tiny_hf_model
         assert (torch.tensor(s.logprobs) - expected).abs().max() < TOL
 
 
+def test_sampled_tokens_follow_the_models_distribution(sglang_engine, tiny_hf_model):
+    """The server's draws (on CPU, rollout/cpu_sampling.py): 4000 first tokens of one prompt at temperature 0.8
+    against transformers' probabilities, a chi-square over the tokens expected at least 5 times (the rest pooled),
+    bounded 6 standard deviations above its mean (a draw one token off gives thousands)."""
+    prompt, n, temperature = PROMPTS[1], 4000, 0.8
+    samples = sglang_engine.generate([prompt], SamplingParams(n=n, temperature=temperature, max_new_tokens=1))
+    with torch.no_grad():
+        logits = _hf(tiny_hf_model)(torch.tensor([prompt])).logits[0, -1].double()
+    expected = n * torch.softmax(logits / temperature, -1)
+    counts = torch.bincount(torch.tensor([s.response_ids[0] for s in samples]), minlength=len(expected)).double()
+    often = expected >= 5
+    observed, expected = (torch.cat([c[often], c[~often].sum()[None]]) for c in (counts, expected))
+    chi2, df = ((observed - expected) ** 2 / expected).sum().item(), len(expected) - 1
+    assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+
+
 def test_stop_token_ends_the_response(sglang_engine, tiny_hf_model):
     greedy = _greedy(_hf(tiny_hf_model), PROMPTS[0], 10)
     stop = greedy[3]
