@@ -163,12 +163,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
         batch_p2p_comm=not on_cpu,
         use_cpu_initialization=on_cpu,
         perform_initialization=init_weights,
-        # Fused kernels are CUDA-only. SwiGLU's fused forward and backward (Megatron's default on GPU) is built by
-        # torch.compile, which works on CPU too but does not pay there: 8-15 ms less per layer and 8k-token
-        # micro-batch (fwd+bwd, 25 ms unfused), ~3% of the 6M model's update, against 1.5 s per process to load the
-        # compiled kernels (19 s to build them).
+        # Fused kernels are CUDA-only, but for SwiGLU's: on GPU Megatron's (torch.compile), on CPU ours
+        # (models/swiglu.py, installed by build_model: compiling costs 1.5-19 s per process there).
         masked_softmax_fusion=not on_cpu,
-        bias_activation_fusion=not on_cpu,
+        bias_activation_fusion=True,
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
@@ -224,9 +222,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     from megatron.core.transformer.module import Float16Module
 
     from rlhf_mc.models.rope import use_packed_rotary
+    from rlhf_mc.models.swiglu import use_eager_swiglu
 
     parallel.check_model(model)
     use_packed_rotary()
+    if not torch.cuda.is_available():
+        use_eager_swiglu()
     if model.num_experts:
         _router_gemm_without_te()
     use_te = te_available() if use_te is None else use_te
