@@ -9,8 +9,9 @@ backward kernel for the gate, so the numbers are bitwise Megatron's unfused ones
 with MKL as our ranks run it (2 cores, [10240, 1, 2 x 768]): forward and backward 29.7 -> 15.9 ms per layer, forward
 alone 7.0 -> 5.1 ms. It keeps fc1's output and SiLU(gate) for backward, one [tokens, ffn] less than the unfused path.
 
-`use_eager_swiglu` installs it where Megatron's MLP and shared experts look up `bias_swiglu_impl`, the function
-`bias_activation_fusion` calls (models/gpt.py sets that flag everywhere; on GPU Megatron's compiled kernel runs).
+`use_eager_swiglu` installs it where Megatron's MLP and shared experts look up `bias_swiglu_impl` and
+`weighted_bias_swiglu_impl`, the functions `bias_activation_fusion` calls (models/gpt.py sets that flag everywhere;
+on GPU Megatron's compiled kernels run).
 """
 
 from __future__ import annotations
@@ -46,13 +47,21 @@ def bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None, *unused) -> torch.Te
     return _SwiGLU.apply(y)
 
 
+def weighted_bias_swiglu(y: torch.Tensor, bias: torch.Tensor | None, weights: torch.Tensor, *unused) -> torch.Tensor:
+    """Drop-in for fused_bias_swiglu.weighted_bias_swiglu_impl: SwiGLU scaled per token (an MoE expert's MLP gets
+    its routing probabilities so from Megatron's SequentialMLP), as the unfused path computes it."""
+    return (bias_swiglu(y, bias) * weights).to(y.dtype)
+
+
 def use_eager_swiglu() -> None:
-    """Installs bias_swiglu where Megatron's MLP and shared experts call the fused SwiGLU (idempotent)."""
+    """Installs bias_swiglu and weighted_bias_swiglu where Megatron's MLP (dense layers, and the experts of the
+    SequentialMLP that MoE layers use without TE) and shared experts call the fused SwiGLU (idempotent)."""
     from megatron.core.transformer import mlp
     from megatron.core.transformer.moe import shared_experts
 
-    for module in (mlp, shared_experts):
-        if not hasattr(module, "bias_swiglu_impl"):  # the name this relies on; refuse rather than compile silently
-            raise RuntimeError(f"{module.__name__} has no bias_swiglu_impl: this Megatron-Core release is not "
-                               "supported by rlhf_mc.models.swiglu")
-        module.bias_swiglu_impl = bias_swiglu
+    for module, name, fn in ((mlp, "bias_swiglu_impl", bias_swiglu), (mlp, "weighted_bias_swiglu_impl",
+                             weighted_bias_swiglu), (shared_experts, "bias_swiglu_impl", bias_swiglu)):
+        if not hasattr(module, name):  # the names this relies on; refuse rather than compile silently
+            raise RuntimeError(f"{module.__name__} has no {name}: this Megatron-Core release is not supported by "
+                               "rlhf_mc.models.swiglu")
+        setattr(module, name, fn)
