@@ -221,3 +221,34 @@ def test_on_policy_step_without_old_logprobs_equals_the_step_after_their_forward
         if "pg_loss" in r["metrics"]:
             for key in ("pg_loss", "grad_norm", "rollout_logprob_diff", "token_entropy", "kl_ref"):
                 assert abs(r["metrics"][key] - alone["metrics"][key]) < TOL, key
+
+
+def _aligned() -> list[dict]:
+    from types import SimpleNamespace
+
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.train import _aligned_microbatches
+
+    init_parallel(ParallelConfig())
+    seqs = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    batch = Trajectories.single_turn([torch.tensor(s) for s in seqs], [2, 2, 1],
+                                     {"advantages": [torch.tensor([1.0, 2.0]), torch.tensor([3.0]),
+                                                     torch.tensor([4.0, 5.0, 6.0, 7.0])]})
+    config = SimpleNamespace(context_parallel_size=1, tensor_model_parallel_size=1, sequence_parallel=False)
+    mbs = _aligned_microbatches(batch, "seq-mean-token-mean", 8, config, interleaved=False)
+    return [{k: mb[k][0].tolist() for k in ("tokens", "targets", "advantages", "weight", "segment")} for mb in mbs]
+
+
+def test_microbatch_fields_sit_at_the_positions_that_predict_their_tokens():
+    """Hand-computed: 8-token micro-batches of sequences [4, 3, 5 tokens] are {1, 2} and {0}; position t carries the
+    values of token t + 1 of its sequence (0 at its last position and outside the loss mask); seq-mean-token-mean
+    weighs a token 1 / (3 sequences x its sequence's trained tokens)."""
+    (mbs,) = spawn(_aligned, 1)
+    third, twelfth, sixth = (torch.tensor(x, dtype=torch.float32).item() for x in (1 / 3, 1 / 12, 1 / 6))
+    assert mbs == [
+        {"tokens": [9, 10, 11, 12, 13, 14, 15, 16], "targets": [10, 11, 0, 13, 14, 15, 16, 0],
+         "advantages": [0, 3, 0, 4, 5, 6, 7, 0], "weight": [0, third, 0, twelfth, twelfth, twelfth, twelfth, 0],
+         "segment": [0, 0, 0, 1, 1, 1, 1, 1]},
+        {"tokens": [5, 6, 7, 8], "targets": [6, 7, 8, 0], "advantages": [0, 1, 2, 0], "weight": [0, sixth, sixth, 0],
+         "segment": [0, 0, 0, 0]},
+    ]

@@ -47,27 +47,32 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
     from rlhf_mc.workers.policy import build_microbatches, pad_multiple
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    masks = batch.rows(batch.loss_mask)
     lengths = batch.sampled_tokens().tolist()
     totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
     dist.all_reduce(totals, group=ps.get_data_parallel_group())
     weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]), norm_length)
-    # per sequence, the fields inside its loss mask; the weight of each trained token
-    rows = {k: [r * m for r, m in zip(batch.rows(v), masks)] for k, v in batch.fields.items()}
-    rows["weight"] = [m.float() * w for m, w in zip(masks, weights)]
+    # per token, the fields inside the loss mask, and the weight of each trained token (whole-batch tensor ops: a
+    # loop over sequences took ~11 ms a step at 256 sequences)
+    flat = {k: v * batch.loss_mask for k, v in batch.fields.items()}
+    flat["weight"] = batch.loss_mask.float() * torch.tensor(weights, dtype=torch.float32)[batch.sequence_ids()]
     interleaved_pp = ps.get_pipeline_model_parallel_world_size() if interleaved else 0
     routed = batch.rows(batch.routed_experts) if with_routing else None
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp,
                                               device(), pad_multiple(config), routed)
+    starts = torch.tensor(batch.offsets[:-1])
     for mb, group in zip(microbatches, groups):
-        cu = mb["packed"].cu_seqlens
-        spans = [b - a for a, b in zip(cu[:-1], cu[1:])]  # padded sequences (the interleaved schedule's fillers too)
-        aligned = {"segment": torch.cat([torch.full((n,), float(j)) for j, n in enumerate(spans)])}
-        for k, per_sequence in rows.items():
-            parts = [torch.zeros(n) for n in spans]
-            for part, i in zip(parts, group):
-                part[:len(per_sequence[i]) - 1] = per_sequence[i][1:]
-            aligned[k] = torch.cat(parts)
+        cu = torch.tensor(mb["packed"].cu_seqlens)
+        spans = cu[1:] - cu[:-1]  # padded sequences (the interleaved schedule's fillers too)
+        aligned = {"segment": torch.repeat_interleave(torch.arange(len(spans)), spans).float()}
+        # packed position cu[j] + t carries batch token starts[i] + t + 1 of sequence i = group[j], t < length - 1
+        members = torch.tensor(group, dtype=torch.long)
+        carried = batch.lengths[members] - 1
+        t = torch.arange(int(carried.sum())) - torch.repeat_interleave(torch.cumsum(carried, 0) - carried, carried)
+        to = torch.repeat_interleave(cu[:len(group)], carried) + t
+        source = torch.repeat_interleave(starts[members] + 1, carried) + t
+        for k, values in flat.items():
+            aligned[k] = torch.zeros(int(cu[-1]))
+            aligned[k][to] = values[source]
         for k, row in aligned.items():
             mb[k] = split_for_cp(row.unsqueeze(0), cp, cp_rank, 1, cu).to(device())
     return microbatches
