@@ -1,7 +1,9 @@
 """Weight sync seconds and bytes/s from a TP=2 (--tp) actor into an SGLang engine (colocated tensor transport) for a
 ~125M-parameter Llama-style model, vs a plain in-process copy of the same bytes (the baseline, same process), and
-rank 0's peak extra memory vs the largest bucket
-(a tensor larger than the bucket size is a bucket of its own). Prints JSON lines.
+rank 0's peak extra memory vs the largest bucket (a tensor larger than the bucket size is a bucket of its own).
+Two transports, interleaved sync by sync: what "tensor" is on one CPU host (SharedStaging: every rank writes its
+shards into one shared staging) and the per-device one it replaced there (ColocatedTensors: gathered over TP, HF
+layout, staging copy; GPU's). Prints JSON lines.
 
     .venv/bin/python bench/weight_sync.py [--buckets-mb 16 64 256] [--repeats 3] [--tp 2]
 """
@@ -31,7 +33,7 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp:
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
-    from rlhf_mc.sync.transports import connect
+    from rlhf_mc.sync.transports import ColocatedTensors, connect
     from rlhf_mc.sync.weights import WeightSync
 
     parallel = ParallelConfig(tp=tp)
@@ -40,17 +42,21 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp:
     chunks = build_model(model, parallel, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     rank0 = torch.distributed.get_rank() == 0
-    transport = connect("tensor", [address], engine_ranks=[[0]])
+    transports = {"shared": connect("tensor", [address], engine_ranks=[[0]]),
+                  "gathered": ColocatedTensors([address], engine_ranks=[[0]])}
     rows, version = [], 0
     for mb in buckets_mb:
-        sync = WeightSync(chunks, model, transport, bucket_bytes=mb * 2**20)
-        runs = []
+        syncs = {name: WeightSync(chunks, model, transport, bucket_bytes=mb * 2**20)
+                 for name, transport in transports.items()}
+        runs = {name: [] for name in syncs}
         for _ in range(repeats):
-            version += 1
-            runs.append(sync.sync(chunks, version))
+            for name, sync in syncs.items():
+                version += 1
+                runs[name].append(sync.sync(chunks, version))
         if rank0:
             # Baseline: copy the same bytes within this process.
-            sources = [torch.randn(e.shape).to(e.dtype) for e in sync.plan.entries]
+            plan = syncs["shared"].plan
+            sources = [torch.randn(e.shape).to(e.dtype) for e in plan.entries]
             targets = [torch.empty_like(s) for s in sources]
             for s, t in zip(sources, targets):  # first touch of the targets' pages, not timed
                 t.copy_(s)
@@ -58,11 +64,12 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp:
             for s, t in zip(sources, targets):
                 t.copy_(s)
             copy_s = time.perf_counter() - start
-            seconds = statistics.median(r.seconds for r in runs)
-            rows.append({"bucket_mb": mb, "largest_bucket_mb": sync.plan.largest_bucket_bytes / 2**20,
-                         "bytes": runs[0].bytes, "buckets": runs[0].buckets,
-                         "tensors": runs[0].tensors, "seconds": seconds, "copy_seconds": copy_s,
-                         "peak_extra_mb": max(r.peak_extra_mb for r in runs)})
+            for name, done in runs.items():
+                rows.append({"transport": name, "bucket_mb": mb,
+                             "largest_bucket_mb": plan.largest_bucket_bytes / 2**20, "bytes": done[0].bytes,
+                             "buckets": done[0].buckets, "tensors": done[0].tensors,
+                             "seconds": statistics.median(r.seconds for r in done), "copy_seconds": copy_s,
+                             "peak_extra_mb": max(r.peak_extra_mb for r in done)})
     return rows if rank0 else None
 
 
@@ -81,13 +88,15 @@ def main() -> None:
                          args.repeats, args.tp)[0]
         finally:
             engine.shutdown()
+    gathered = {row["bucket_mb"]: row["seconds"] for row in rows if row["transport"] == "gathered"}
     for row in rows:
-        emit(bench="weight_sync", transport="tensor", actor=f"tp{args.tp}", engine="tp1", params=params,
+        emit(bench="weight_sync", transport=row["transport"], actor=f"tp{args.tp}", engine="tp1", params=params,
              bucket_mb=row["bucket_mb"], mb=round(row["bytes"] / 2**20, 1), buckets=row["buckets"],
              seconds=round(row["seconds"], 3), mb_per_s=round(row["bytes"] / 2**20 / row["seconds"], 1),
              baseline_copy_seconds=round(row["copy_seconds"], 4),
              baseline_copy_mb_per_s=round(row["bytes"] / 2**20 / row["copy_seconds"], 1),
              vs_copy=round(row["copy_seconds"] / row["seconds"], 4),
+             vs_gathered=round(gathered[row["bucket_mb"]] / row["seconds"], 2),
              peak_extra_mb=round(row["peak_extra_mb"], 1),
              largest_bucket_mb=round(row["largest_bucket_mb"], 1),
              peak_extra_vs_largest_bucket=round(row["peak_extra_mb"] / row["largest_bucket_mb"], 2))

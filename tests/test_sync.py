@@ -4,9 +4,11 @@ weights of every pipeline stage: each time, each engine's log-probs equal the ac
 carry the new version; at the end its greedy output equals transformers' on the actor's exported weights. Ten more
 syncs show no memory growth.
 
-Colocated ("tensor"): each engine TP rank's payload must come from the trainer rank assigned to its device. On CPU
-a payload names the shared-memory file it refers to, and torch names those files after the process that made them
-(/torch_<pid>_...): the test reads the producer of every payload an engine received from the payload itself."""
+Colocated ("tensor"), on CPU one host: every rank writes its shares into one shared-memory staging, and rank 0 posts
+it. On GPU (ColocatedTensors, checked here on CPU by building it directly) each engine TP rank's payload must come
+from the trainer rank assigned to its device. On CPU a payload names the shared-memory file it refers to, and torch
+names those files after the process that made them (/torch_<pid>_...): the tests read the producer of every payload an
+engine received from the payload itself."""
 
 from __future__ import annotations
 
@@ -62,18 +64,21 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     from rlhf_mc.optim import setup_training
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
     from rlhf_mc.runtime import init_parallel
-    from rlhf_mc.sync.transports import connect
+    from rlhf_mc.sync.transports import ColocatedTensors, connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
     from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.config import PolicyLossConfig
     from rlhf_mc.workers.train import train_step
 
-    received: list[tuple[int, list[int]]] = []  # (engine, producer pid per TP rank) per bucket this rank posted
+    # (engine, producer pid per TP rank) per bucket this rank posted; the shared-memory files the payloads name
+    received: list[tuple[int, list[int]]] = []
+    files: set[bytes] = set()
     load = SGLangEngine.load_tensor_payloads
 
     def recording(self, engine, payloads):
         received.append((addresses.index(self.urls[engine].removeprefix("http://")),
                          [payload_producer(p) for p in payloads]))
+        files.update(*(shared_files(p) for p in payloads))
         return load(self, engine, payloads)
 
     SGLangEngine.load_tensor_payloads = recording
@@ -85,8 +90,10 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     rank = torch.distributed.get_rank()
     addresses = [address for address, _ in engines]
     clients = [SGLangEngine(RolloutConfig(addresses=(a,))) for a in addresses] if rank == 0 else []
-    sync = WeightSync(chunks, model, connect(transport, addresses, [ranks for _, ranks in engines],
-                                             config_from=model_dir), bucket_bytes=20_000)
+    engine_ranks = [ranks for _, ranks in engines]
+    sink = ColocatedTensors(addresses, engine_ranks) if transport == "per device" else \
+        connect(transport, addresses, engine_ranks, config_from=model_dir)
+    sync = WeightSync(chunks, model, sink, bucket_bytes=20_000)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (14, 9, 20)]
     starts = [4, 3, 6]
@@ -111,7 +118,8 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
         sync.sync(chunks, version)
         rss.append(psutil.Process().memory_info().rss / 2**20)
     exported = list(pair for bucket in export_hf_weights(chunks, sync.plan, model) for pair in bucket)
-    out = {"pid": os.getpid(), "received": received, "steps": steps, "rss_mb": rss}
+    out = {"pid": os.getpid(), "received": received, "files": files, "steps": steps, "rss_mb": rss,
+           "transport": type(sync.transport).__name__}
     if rank == 0:
         from pathlib import Path
 
@@ -237,7 +245,12 @@ def test_a_dead_engine_fails_its_sync_and_is_synced_after_its_restart(sglang_eng
 @pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
-    _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
+    results = _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
+    if transport == "tensor":  # on CPU: one staging, made by rank 0, carries every bucket of every sync
+        assert [r["transport"] for r in results] == ["SharedStaging"] * 4
+        buckets = results[0]["steps"][0]["stats"].buckets
+        assert results[0]["received"] == [(0, [results[0]["pid"]] * engine_tp)] * (buckets * (STEPS + REPEATS))
+        assert len(results[0]["files"]) == 1 and not any(r["received"] for r in results[1:])
 
 
 def test_sync_from_an_expert_parallel_actor(tmp_path):
@@ -261,11 +274,12 @@ def test_sync_from_an_expert_parallel_actor(tmp_path):
 
 def test_colocated_engines_are_fed_by_the_ranks_on_their_devices(sglang_engine, engine_tp2, tiny_hf_model,
                                                                  tmp_path):
-    """Two colocated engines on one TP=2 x PP=2 actor: the TP=2 engine on the devices of trainer ranks 0 and 1
+    """ColocatedTensors (the GPU path; connect takes SharedStaging on one CPU host), two colocated engines on one
+    TP=2 x PP=2 actor: the TP=2 engine on the devices of trainer ranks 0 and 1
     (pipeline stage 0), the TP=1 engine on rank 2's (stage 1); rank 3's device has none. Every bucket each engine
     received came from those ranks, TP rank i's payload from the i-th; both engines equal the actor after every
     sync."""
-    results = _run([(engine_tp2, [0, 1]), (sglang_engine, [2])], "tensor", tiny_hf_model, tmp_path)
+    results = _run([(engine_tp2, [0, 1]), (sglang_engine, [2])], "per device", tiny_hf_model, tmp_path)
     pids = [r["pid"] for r in results]
     posted = {rank: r["received"] for rank, r in enumerate(results) if r["received"]}
     assert sorted(posted) == [0, 2], "each engine is driven by its first trainer rank, and only by it"

@@ -158,15 +158,24 @@ def read_shard(rule: Rule, reader: Reader, model: ModelConfig, tp_rank: int, tp_
     return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
 
 
+def shard_pieces(rule: Rule, shard: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """read_shard's inverse: a TP rank's shard of the Megatron parameter as its slices of the HF tensors, views of
+    `shard` (no copy). Rank r of n holds the r-th of n equal slices of each along rule.tp_dim (dim 0 for the fused
+    layouts). An attention slice comes grouped, [query groups, rows per group, ...]: its HF rows, flattened."""
+    if rule.layout == "plain":
+        return [(rule.hf_names[0], shard)]
+    if rule.layout == "gate_up":
+        return list(zip(rule.hf_names, shard.chunk(2, dim=0)))
+    q_rows, kv_rows = _qkv_sizes(model)  # a shard holds consecutive query groups: [q; k; v] per group
+    grouped = shard.reshape(-1, q_rows + 2 * kv_rows, *shard.shape[1:])
+    return list(zip(rule.hf_names, grouped.split([q_rows, kv_rows, kv_rows], dim=1)))
+
+
 def to_hf(rule: Rule, full: torch.Tensor, tp_size: int, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """Full HF tensors from the Megatron parameter's TP shards concatenated in rank order along rule.tp_dim.
-    Plain parameters come back as `full` itself (no copy)."""
+    Plain parameters come back as `full` itself (no copy); fused ones are one copy each."""
     if rule.layout == "plain":
         return [(rule.hf_names[0], full)]
-    if rule.layout == "gate_up":
-        halves = [shard.chunk(2, dim=0) for shard in full.chunk(tp_size, dim=0)]
-        return [(name, torch.cat([h[i] for h in halves])) for i, name in enumerate(rule.hf_names)]
-    q_rows, kv_rows = _qkv_sizes(model)  # TP ranks hold consecutive query groups: `full` is the fused layout
-    grouped = full.reshape(model.num_kv_heads, q_rows + 2 * kv_rows, *full.shape[1:])
-    q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
-    return [(name, t.reshape(-1, *full.shape[1:]).contiguous()) for name, t in zip(rule.hf_names, (q, k, v))]
+    per_rank = [shard_pieces(rule, shard, model) for shard in full.chunk(tp_size, dim=0)]
+    return [(name, torch.cat([pieces[i][1] for pieces in per_rank]).reshape(-1, *full.shape[1:]))
+            for i, name in enumerate(rule.hf_names)]

@@ -5,6 +5,8 @@ ExportPlan + export_hf_weights: full HF tensors streamed from a sharded model, b
 from the EP rank that holds it, then every tensor broadcast from the owning pipeline stage, gathered over TP,
 converted to HF layout). The plan is computed once per model and holds no
 tensors, so nothing in it can go stale between exports.
+hf_bucket_shapes + write_hf_bucket: the same buckets written in place, for ranks that share memory: each rank copies
+its own shards straight into the full HF tensors (no gather, no broadcast, one copy).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from rlhf_mc.bridge.hf_config import check_matches, read_hf_config
-from rlhf_mc.bridge.mapping import Rule, expert_index, fused_group, is_exported, read_shard, rule_for, to_hf
+from rlhf_mc.bridge.mapping import (Rule, expert_index, fused_group, is_exported, read_shard, rule_for, shard_pieces,
+                                    to_hf)
 from rlhf_mc.bridge.safetensors_io import HFCheckpoint
 from rlhf_mc.config import ModelConfig
 
@@ -206,3 +209,41 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
             out.extend(to_hf(entry.rule, full, tp if tp_dim is not None else 1, model))
         yield out
 
+
+
+def hf_bucket_shapes(plan: ExportPlan, bucket: tuple[int, ...], model: ModelConfig
+                     ) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(HF name, shape, dtype) of the full HF tensors of one bucket of the plan, in export_hf_weights' order."""
+    out = []
+    for entry in (plan.entries[i] for i in bucket):
+        full = torch.empty(entry.shape, dtype=entry.dtype, device="meta")  # HF shapes do not depend on the TP size
+        out.extend((name, t.shape, t.dtype) for name, t in to_hf(entry.rule, full, 1, model))
+    return out
+
+
+def write_hf_bucket(chunks, plan: ExportPlan, bucket: tuple[int, ...], model: ModelConfig,
+                    out: dict[str, torch.Tensor]) -> None:
+    """Writes this rank's share of one bucket into `out` (HF name -> full HF tensor, in memory every rank of the
+    model writes to): a TP rank its slice of each split parameter, the EP rank holding an expert that expert, one
+    replica every other parameter (data-parallel rank 0; TP rank 0 where it is not split). Not collective: the
+    caller waits for every rank before reading `out`."""
+    from megatron.core import parallel_state as ps
+
+    pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    first_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    first_expert_replica = ps.get_expert_data_parallel_rank() == 0
+    params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
+    for entry in (plan.entries[i] for i in bucket):
+        split = entry.rule.tp_dim is not None and entry.ep_rank is None and tp > 1
+        if entry.pp_rank != pp_rank or not (
+                entry.ep_rank == ep_rank and first_expert_replica if entry.ep_rank is not None
+                else first_replica and (split or tp_rank == 0)):
+            continue
+        shard = params[(entry.chunk, entry.local_name)].detach()
+        for name, piece in shard_pieces(entry.rule, shard, model):
+            target = out[name]
+            if split:  # this rank's slice along tp_dim (dim 0 for the fused layouts)
+                step = target.shape[entry.rule.tp_dim] // tp
+                target = target.narrow(entry.rule.tp_dim, tp_rank * step, step)
+            target.view(piece.shape).copy_(piece)

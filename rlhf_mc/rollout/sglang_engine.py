@@ -93,34 +93,44 @@ def _routed_experts(meta: dict, tokens: int, url: str) -> torch.Tensor:
     return torch.from_numpy(ids.astype(np.int16)).reshape(tokens, -1)
 
 
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None):
-    """A bucket as SGLang's FlattenedTensorBucket: one byte tensor (never the model's own storage) and its
-    FlattenedTensorMetadata list. Tensors are laid out by element size, largest first, so every tensor starts at an
-    offset its dtype can be viewed at. `staging`: a byte tensor to lay the bucket out in (shared_staging); else a
-    new one."""
+def flat_layout(shapes: list[tuple[str, torch.Size, torch.dtype]]) -> tuple[list, int]:
+    """SGLang's FlattenedTensorBucket layout of tensors of these (name, shape, dtype): their FlattenedTensorMetadata
+    and the bytes of the whole. Tensors are laid out by element size, largest first, so every tensor starts at an
+    offset its dtype can be viewed at."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
     metadata, offset = [], 0
-    for name, t in ordered:
-        size = t.numel() * t.element_size()
-        metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + size, size))
+    for name, shape, dtype in sorted(shapes, key=lambda item: -item[2].itemsize):
+        size = shape.numel() * dtype.itemsize
+        metadata.append(FlattenedTensorMetadata(name, shape, dtype, offset, offset + size, size))
         offset += size
+    return metadata, offset
+
+
+def flat_views(flat: torch.Tensor, metadata: list) -> dict[str, torch.Tensor]:
+    """Name -> the tensor at its place in a flattened bucket (a view of `flat`)."""
+    return {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape) for m in metadata}
+
+
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None):
+    """A bucket as SGLang's FlattenedTensorBucket (flat_layout): one byte tensor (never the model's own storage)
+    and its metadata. `staging`: a byte tensor to lay the bucket out in (shared_staging); else a new one."""
+    metadata, nbytes = flat_layout([(name, t.shape, t.dtype) for name, t in named_tensors])
     if staging is None:
-        flat = torch.empty(offset, dtype=torch.uint8, device=ordered[0][1].device)
-    elif staging.numel() < offset:
-        raise ValueError(f"flatten_bucket: a {offset}-byte bucket does not fit the {staging.numel()}-byte staging")
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=named_tensors[0][1].device)
+    elif staging.numel() < nbytes:
+        raise ValueError(f"flatten_bucket: a {nbytes}-byte bucket does not fit the {staging.numel()}-byte staging")
     else:
-        flat = staging[:offset]
-    for (_, t), meta in zip(ordered, metadata):
-        flat[meta.start_idx:meta.end_idx].view(meta.dtype).view(meta.shape).copy_(t.detach())
+        flat = staging[:nbytes]
+    views = flat_views(flat, metadata)
+    for name, t in named_tensors:
+        views[name].copy_(t.detach())
     return flat, metadata
 
 
-def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
-                   ) -> TensorPayload:
-    """A bucket flattened (flatten_bucket, into `staging` if given), serialized by reference: a CUDA IPC handle named
-    by device UUID on GPU, a shared-memory file on CPU."""
+def serialize_flat(flat: torch.Tensor, metadata: list) -> str:
+    """The /update_weights_from_tensor payload of a flattened bucket, by reference: a CUDA IPC handle named by
+    device UUID on GPU, a shared-memory file on CPU."""
     from sglang.srt.utils import MultiprocessingSerializer
 
     if cpu.on_cpu():
@@ -129,9 +139,14 @@ def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+
+
+def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
+                   ) -> TensorPayload:
+    """A bucket flattened (flatten_bucket, into `staging` if given) and serialized by reference (serialize_flat)."""
     flat, metadata = flatten_bucket(named_tensors, staging)
-    text = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
-    return TensorPayload(text, flat)
+    return TensorPayload(serialize_flat(flat, metadata), flat)
 
 
 def shared_staging(nbytes: int) -> torch.Tensor:
@@ -477,17 +492,17 @@ class SGLangEngine:
                     raise EngineDown(f"engine {engine} failed {path} ({again}); log tail ({server.log_path}):\n"
                                      f"{server.log_tail()}") from again
 
-    def pause(self) -> None:
-        """Stops generation for a weight update. Requests in flight are retracted to the waiting queue with their
+    def pause(self, engines: Iterable[int] | None = None) -> None:
+        """Stops generation (of every engine, or of `engines`) for a weight update. Requests in flight are retracted to the waiting queue with their
         output so far, and their KV cache is recomputed when generation resumes: the tokens generated after the
         update are exactly the new weights' (measured: within 2e-5 of a recomputation with them), and each keeps
         the version that produced it (a partial rollout). SGLang's "in_place" would keep the old weights' KV cache
         under the new tokens (off by ~8 nats here, and /flush_cache fails while they run); "abort" (its default)
         would end the requests."""
-        self._all("/pause_generation", {"mode": "retract"})
+        self._all("/pause_generation", {"mode": "retract"}, engines)
 
-    def resume(self) -> None:
-        self._all("/continue_generation", {})
+    def resume(self, engines: Iterable[int] | None = None) -> None:
+        self._all("/continue_generation", {}, engines)
 
     def flush_cache(self) -> None:
         self._all("/flush_cache")

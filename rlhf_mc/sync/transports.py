@@ -1,7 +1,13 @@
 """How the actor's new weights reach the rollout engines: one class per transport. Each is built collectively on
-every actor rank and sends a stream of buckets of full HF-named tensors (bridge.weights.export_hf_weights, which
-every rank iterates to the end: the stream itself runs collectives). A transport drains what it does not send.
+every actor rank and sends the export plan's buckets of full HF-named tensors, collectively: from the stream of
+bridge.weights.export_hf_weights (which every rank iterates to the end: the stream itself runs collectives; a
+transport drains what it does not send), or written in place by every rank (SharedStaging).
 
+- SharedStaging ("tensor" on CPU, every actor rank on one host): one shared-memory staging buffer, made once by
+  rank 0 at the plan's largest bucket and mapped by every rank; each rank writes its own shards of a bucket straight
+  into it in SGLang's flattened-bucket layout (bridge.weights.write_hf_bucket: no TP gather, no pipeline or expert
+  broadcast, one copy of each tensor, split over the ranks that hold it), and rank 0 posts it to every engine TP
+  rank. The same bucket through ColocatedTensors costs a gloo gather, the HF layout copies and the staging copy.
 - ColocatedTensors ("tensor"): engine e's TP rank i gets its payload from the trainer rank on its own device, as
   SGLang's own sender and slime do. Per engine a gloo group of its trainer ranks; each serializes the bucket as a
   flattened tensor (rollout.sglang_engine.tensor_payload) and the group gathers the payloads to its first rank,
@@ -20,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -27,9 +34,11 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from rlhf_mc.config import RolloutConfig
+from rlhf_mc.bridge.weights import ExportPlan, export_hf_weights, hf_bucket_shapes, write_hf_bucket
+from rlhf_mc.config import ModelConfig, RolloutConfig
 from rlhf_mc.rollout import cpu
-from rlhf_mc.rollout.sglang_engine import SGLangEngine, shared_staging, tensor_payload
+from rlhf_mc.rollout.sglang_engine import (SGLangEngine, flat_layout, flat_views, serialize_flat, shared_staging,
+                                           tensor_payload)
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
@@ -47,6 +56,65 @@ def _drain(buckets: Buckets) -> None:
 
 def _client(addresses: list[str]) -> SGLangEngine:
     return SGLangEngine(RolloutConfig(addresses=tuple(addresses), num_engines=len(addresses)))
+
+
+class SharedStaging:
+    def __init__(self, addresses: list[str]):
+        self.client = _client(addresses) if dist.get_rank() == 0 else None
+        self.staging: torch.Tensor | None = None
+        import sglang.srt.utils  # noqa: F401 - ~2.5 s of imports on CPU, paid here rather than in the first sync
+
+    def send(self, chunks, plan: ExportPlan, model: ModelConfig, version: int, engines: Iterable[int] | None = None
+             ) -> SendResult | None:
+        """Rank 0 drives `engines` (default: all); an engine that fails is left out of the rest of the sync."""
+        self._share(plan.largest_bucket_bytes)
+        targets = sorted(range(len(self.client.urls)) if engines is None else engines) if self.client else []
+        failed: dict[int, str] = {}
+
+        def each(call) -> None:
+            for e in targets:
+                if e not in failed:
+                    try:
+                        call(e)
+                    except Exception as error:  # noqa: BLE001 - reported to the driver, which restarts the engine
+                        failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
+
+        each(lambda e: (self.client.pause([e]), self.client.begin_weight_update(e)))
+        for bucket in plan.buckets:
+            metadata, nbytes = flat_layout(hf_bucket_shapes(plan, bucket, model))
+            flat = self.staging[:nbytes]
+            # One thread: the copies are memory-bound, and with the cores' worth of threads each of the many copies
+            # of a layer bucket waited for cores the engine's threads still held (OpenMP spins after its work):
+            # 10x slower at TP=1 (measured: ~100 ms against ~11 ms a 60 MB bucket).
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                write_hf_bucket(chunks, plan, bucket, model, flat_views(flat, metadata))
+            finally:
+                torch.set_num_threads(threads)
+            dist.barrier()  # every rank's share is in
+            # One serialization per receiving rank: each takes back the reference count its serialization added.
+            each(lambda e: self.client.load_tensor_payloads(
+                e, [serialize_flat(flat, metadata) for _ in range(self.client.engine_tp[e])]))
+            dist.barrier()  # every engine has loaded it: the staging may take the next bucket
+        each(lambda e: (self.client.end_weight_update(e, version), self.client.resume([e])))
+        if self.client is None:
+            return None
+        return SendResult([e for e in targets if e not in failed], failed)
+
+    def _share(self, nbytes: int) -> None:
+        """Makes the staging (rank 0) and maps it on every rank, once per size (collective)."""
+        if self.staging is not None and self.staging.numel() >= nbytes:
+            return
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        self.staging = None  # the old one goes before the new one comes
+        rank, world = dist.get_rank(), dist.get_world_size()
+        staging = shared_staging(nbytes) if rank == 0 else None
+        # One serialization per receiving rank, as for the engines.
+        box = [[MultiprocessingSerializer.serialize(staging) for _ in range(world - 1)] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        self.staging = staging if rank == 0 else MultiprocessingSerializer.deserialize(box[0][rank - 1])
 
 
 class ColocatedTensors:
@@ -69,7 +137,9 @@ class ColocatedTensors:
                 raise ValueError(f"engine {self.engine} at {addresses[self.engine]} has TP "
                                  f"{self.client.engine_tp[0]}, placed on {len(engine_ranks[self.engine])} devices")
 
-    def send(self, buckets: Buckets, version: int, engines: Iterable[int] | None = None) -> SendResult | None:
+    def send(self, chunks, plan: ExportPlan, model: ModelConfig, version: int, engines: Iterable[int] | None = None
+             ) -> SendResult | None:
+        buckets = export_hf_weights(chunks, plan, model)
         if self.group is None or (engines is not None and self.engine not in set(engines)):
             _drain(buckets)
             return None
@@ -118,8 +188,10 @@ class _FromRankZero:
         self.addresses = addresses
         self.client = _client(addresses) if dist.get_rank() == 0 else None
 
-    def send(self, buckets: Buckets, version: int, engines: Iterable[int] | None = None) -> SendResult | None:
+    def send(self, chunks, plan: ExportPlan, model: ModelConfig, version: int, engines: Iterable[int] | None = None
+             ) -> SendResult | None:
         """`engines` is ignored: these transports update every engine at once."""
+        buckets = export_hf_weights(chunks, plan, model)
         if self.client is None:
             _drain(buckets)
             return None
@@ -181,10 +253,15 @@ class Disk(_FromRankZero):
 def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | None = None,
             master_address: str = "127.0.0.1", config_from: str | None = None):
     """The transport `kind` ("tensor" | "distributed" | "disk") to the engines at `addresses`; collective over the
-    actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" `config_from`."""
+    actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" `config_from`. On CPU with
+    every actor rank on one host, "tensor" is SharedStaging."""
     if kind == "tensor":
         if engine_ranks is None:
             raise ValueError("the tensor transport needs engine_ranks: which trainer ranks share each engine's devices")
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        if cpu.on_cpu() and len(set(hosts)) == 1:
+            return SharedStaging(addresses)
         return ColocatedTensors(addresses, engine_ranks)
     if kind == "distributed":
         return Broadcast(addresses, master_address)

@@ -1,9 +1,9 @@
 """Moves the actor's new weights into the rollout engines after every update.
 
 The plan (owners, shapes, dtypes, buckets by a byte budget) is computed once per model (bridge.weights); each sync
-streams it bucket by bucket: broadcast from the owning pipeline stage, gather over TP, HF layout, hand to the
-engines (sync/transports.py: one class per transport), free. Only one bucket is alive at a time. SGLang shards each
-tensor for its own TP. Collective over the actor's ranks.
+moves it bucket by bucket into the engines (sync/transports.py: one class per transport; streamed - broadcast from
+the owning pipeline stage, gathered over TP, HF layout - or written in place by every rank into shared memory).
+Only one bucket is alive at a time. SGLang shards each tensor for its own TP. Collective over the actor's ranks.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Union
 
 import psutil
 
-from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights
+from rlhf_mc.bridge.weights import build_export_plan
 from rlhf_mc.config import ModelConfig
-from rlhf_mc.sync.transports import Broadcast, ColocatedTensors, Disk
+from rlhf_mc.sync.transports import Broadcast, ColocatedTensors, Disk, SharedStaging
 
-Transport = Union[ColocatedTensors, Broadcast, Disk]
+Transport = Union[SharedStaging, ColocatedTensors, Broadcast, Disk]
 
 
 class StaleWeights(RuntimeError):
@@ -79,22 +79,14 @@ class WeightSync:
     def __init__(self, chunks, model: ModelConfig, transport: Transport, bucket_bytes: int = 256 * 2**20):
         self.model, self.transport = model, transport
         self.plan = build_export_plan(chunks, model, bucket_bytes)
+        self.tensors = sum(len(entry.rule.hf_names) for entry in self.plan.entries)  # HF tensors a sync moves
 
     def sync(self, chunks, version: int, engines: Iterable[int] | None = None) -> SyncStats:
         """Collective: every actor rank calls it. `engines`: only these (re-syncing restarted ones); the transports
         that update every engine at once ignore it."""
-        counted = {"bytes": 0, "buckets": 0, "tensors": 0}
-
-        def counting(source: Iterator[list]) -> Iterator[list]:
-            for bucket in source:
-                counted["buckets"] += 1
-                counted["tensors"] += len(bucket)
-                counted["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
-                yield bucket
-
         start = time.perf_counter()
         with _PeakRSS() as memory:
-            result = self.transport.send(counting(export_hf_weights(chunks, self.plan, self.model)), version, engines)
-        return SyncStats(version, counted["bytes"], counted["buckets"], counted["tensors"],
+            result = self.transport.send(chunks, self.plan, self.model, version, engines)
+        return SyncStats(version, self.plan.total_bytes, len(self.plan.buckets), self.tensors,
                          time.perf_counter() - start, (memory.peak - memory.start) / 2**20,
                          result.updated if result else [], result.failed if result else {})
