@@ -96,12 +96,11 @@ def _hf_logits(path: Path) -> torch.Tensor:
 
 def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
     """Per family: full logits (on the last stage), and whether each exported tensor equals the file's: streamed
-    (export_hf_weights) and written in place by every rank (write_hf_bucket into zeros, summed over the ranks: a
+    (export_hf_weights) and written in place by every rank (write_hf_weights into zeros, summed over the ranks: a
     share written twice or by no rank shows)."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.bridge.weights import (build_export_plan, export_hf_weights, hf_bucket_shapes, load_hf_weights,
-                                        write_hf_bucket)
+    from rlhf_mc.bridge.weights import build_export_plan, export_hf_weights, load_hf_weights, write_hf_weights
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.models.pipeline import run_pipeline
     from rlhf_mc.runtime import init_parallel
@@ -129,11 +128,10 @@ def _megatron(hf_dirs: dict[str, str], parallel: ParallelConfig) -> dict:
         for bucket in export_hf_weights(chunks, plan, model):
             for name, tensor in bucket:
                 exported[name] = torch.equal(tensor, ckpt.read(name))
-        written = {}
-        for bucket in plan.buckets:
-            out = {name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in hf_bucket_shapes(plan, bucket, model)}
-            write_hf_bucket(chunks, plan, bucket, model, out)
-            for name, tensor in out.items():
+        written, outs = {}, [{name: torch.zeros(shape, dtype=dtype) for name, shape, dtype in shapes}
+                             for shapes in plan.hf_shapes]
+        for b in write_hf_weights(chunks, plan, model, outs.__getitem__):
+            for name, tensor in outs[b].items():
                 torch.distributed.all_reduce(tensor)
                 written[name] = torch.equal(tensor, ckpt.read(name))
         results[family] = {"logits": reports[0]["logits"] if reports else None, "exported": exported,

@@ -5,15 +5,15 @@ ExportPlan + export_hf_weights: full HF tensors streamed from a sharded model, b
 from the EP rank that holds it, then every tensor broadcast from the owning pipeline stage, gathered over TP,
 converted to HF layout). The plan is computed once per model and holds no
 tensors, so nothing in it can go stale between exports.
-hf_bucket_shapes + write_hf_bucket: the same buckets written in place, for ranks that share memory: each rank copies
-its own shards straight into the full HF tensors (no gather, no broadcast, one copy).
+write_hf_weights: the same buckets written in place, for ranks that share memory: each rank copies its own shards
+straight into the full HF tensors (no gather, no broadcast, one copy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,8 @@ class PlanEntry:
 class ExportPlan:
     entries: tuple[PlanEntry, ...]
     buckets: tuple[tuple[int, ...], ...]  # entry indices per bucket
+    # per bucket, (HF name, shape, dtype) of its full HF tensors, in export_hf_weights' order
+    hf_shapes: tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], ...]
 
     @property
     def total_bytes(self) -> int:
@@ -169,7 +171,13 @@ def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**2
         size += nbytes
     if current:
         buckets.append(tuple(current))
-    return ExportPlan(entries, tuple(buckets))
+    hf_shapes = []
+    for bucket in buckets:  # from meta tensors (HF shapes do not depend on the TP size)
+        fulls = [(entries[i].rule, torch.empty(entries[i].shape, dtype=entries[i].dtype, device="meta"))
+                 for i in bucket]
+        hf_shapes.append(tuple((name, t.shape, t.dtype) for rule, full in fulls
+                               for name, t in to_hf(rule, full, 1, model)))
+    return ExportPlan(entries, tuple(buckets), tuple(hf_shapes))
 
 
 def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -211,22 +219,12 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
 
 
 
-def hf_bucket_shapes(plan: ExportPlan, bucket: tuple[int, ...], model: ModelConfig
-                     ) -> list[tuple[str, torch.Size, torch.dtype]]:
-    """(HF name, shape, dtype) of the full HF tensors of one bucket of the plan, in export_hf_weights' order."""
-    out = []
-    for entry in (plan.entries[i] for i in bucket):
-        full = torch.empty(entry.shape, dtype=entry.dtype, device="meta")  # HF shapes do not depend on the TP size
-        out.extend((name, t.shape, t.dtype) for name, t in to_hf(entry.rule, full, 1, model))
-    return out
-
-
-def write_hf_bucket(chunks, plan: ExportPlan, bucket: tuple[int, ...], model: ModelConfig,
-                    out: dict[str, torch.Tensor]) -> None:
-    """Writes this rank's share of one bucket into `out` (HF name -> full HF tensor, in memory every rank of the
-    model writes to): a TP rank its slice of each split parameter, the EP rank holding an expert that expert, one
-    replica every other parameter (data-parallel rank 0; TP rank 0 where it is not split). Not collective: the
-    caller waits for every rank before reading `out`."""
+def write_hf_weights(chunks, plan: ExportPlan, model: ModelConfig,
+                     out: Callable[[int], dict[str, torch.Tensor]]) -> Iterator[int]:
+    """Writes, bucket by bucket, this rank's share of bucket b into out(b) (HF name -> full HF tensor, in memory every
+    rank of the model writes to) and yields b: a TP rank its slice of each split parameter, the EP rank holding an
+    expert that expert, one replica every other parameter (data-parallel rank 0; TP rank 0 where it is not split).
+    Not collective: the caller waits for every rank before reading a bucket, and before its memory takes another."""
     from megatron.core import parallel_state as ps
 
     pp_rank, ep_rank = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
@@ -234,16 +232,19 @@ def write_hf_bucket(chunks, plan: ExportPlan, bucket: tuple[int, ...], model: Mo
     first_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     first_expert_replica = ps.get_expert_data_parallel_rank() == 0
     params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
-    for entry in (plan.entries[i] for i in bucket):
-        split = entry.rule.tp_dim is not None and entry.ep_rank is None and tp > 1
-        if entry.pp_rank != pp_rank or not (
-                entry.ep_rank == ep_rank and first_expert_replica if entry.ep_rank is not None
-                else first_replica and (split or tp_rank == 0)):
-            continue
-        shard = params[(entry.chunk, entry.local_name)].detach()
-        for name, piece in shard_pieces(entry.rule, shard, model):
-            target = out[name]
-            if split:  # this rank's slice along tp_dim (dim 0 for the fused layouts)
-                step = target.shape[entry.rule.tp_dim] // tp
-                target = target.narrow(entry.rule.tp_dim, tp_rank * step, step)
-            target.view(piece.shape).copy_(piece)
+    for b, bucket in enumerate(plan.buckets):
+        targets = out(b)
+        for entry in (plan.entries[i] for i in bucket):
+            split = entry.rule.tp_dim is not None and entry.ep_rank is None and tp > 1
+            if entry.pp_rank != pp_rank or not (
+                    entry.ep_rank == ep_rank and first_expert_replica if entry.ep_rank is not None
+                    else first_replica and (split or tp_rank == 0)):
+                continue
+            shard = params[(entry.chunk, entry.local_name)].detach()
+            for name, piece in shard_pieces(entry.rule, shard, model):
+                target = targets[name]
+                if split:  # this rank's slice along tp_dim (dim 0 for the fused layouts)
+                    step = target.shape[entry.rule.tp_dim] // tp
+                    target = target.narrow(entry.rule.tp_dim, tp_rank * step, step)
+                target.view(piece.shape).copy_(piece)
+        yield b

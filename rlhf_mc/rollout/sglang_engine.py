@@ -493,12 +493,12 @@ class SGLangEngine:
                                      f"{server.log_tail()}") from again
 
     def pause(self, engines: Iterable[int] | None = None) -> None:
-        """Stops generation (of every engine, or of `engines`) for a weight update. Requests in flight are retracted to the waiting queue with their
-        output so far, and their KV cache is recomputed when generation resumes: the tokens generated after the
-        update are exactly the new weights' (measured: within 2e-5 of a recomputation with them), and each keeps
-        the version that produced it (a partial rollout). SGLang's "in_place" would keep the old weights' KV cache
-        under the new tokens (off by ~8 nats here, and /flush_cache fails while they run); "abort" (its default)
-        would end the requests."""
+        """Stops generation (of every engine, or of `engines`) for a weight update. Requests in flight are retracted
+        to the waiting queue with their output so far, and their KV cache is recomputed when generation resumes: the
+        tokens generated after the update are exactly the new weights' (measured: within 2e-5 of a recomputation with
+        them), and each keeps the version that produced it (a partial rollout). SGLang's "in_place" would keep the
+        old weights' KV cache under the new tokens (off by ~8 nats here, and /flush_cache fails while they run);
+        "abort" (its default) would end the requests."""
         self._all("/pause_generation", {"mode": "retract"}, engines)
 
     def resume(self, engines: Iterable[int] | None = None) -> None:

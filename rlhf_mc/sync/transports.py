@@ -5,7 +5,7 @@ transport drains what it does not send), or written in place by every rank (Shar
 
 - SharedStaging ("tensor" on CPU, every actor rank on one host): one shared-memory staging buffer, made once by
   rank 0 at the plan's largest bucket and mapped by every rank; each rank writes its own shards of a bucket straight
-  into it in SGLang's flattened-bucket layout (bridge.weights.write_hf_bucket: no TP gather, no pipeline or expert
+  into it in SGLang's flattened-bucket layout (bridge.weights.write_hf_weights: no TP gather, no pipeline or expert
   broadcast, one copy of each tensor, split over the ranks that hold it), and rank 0 posts it to every engine TP
   rank. The same bucket through ColocatedTensors costs a gloo gather, the HF layout copies and the staging copy.
 - ColocatedTensors ("tensor"): engine e's TP rank i gets its payload from the trainer rank on its own device, as
@@ -34,7 +34,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from rlhf_mc.bridge.weights import ExportPlan, export_hf_weights, hf_bucket_shapes, write_hf_bucket
+from rlhf_mc.bridge.weights import ExportPlan, export_hf_weights, write_hf_weights
 from rlhf_mc.config import ModelConfig, RolloutConfig
 from rlhf_mc.rollout import cpu
 from rlhf_mc.rollout.sglang_engine import (SGLangEngine, flat_layout, flat_views, serialize_flat, shared_staging,
@@ -80,23 +80,22 @@ class SharedStaging:
                         failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
 
         each(lambda e: (self.client.pause([e]), self.client.begin_weight_update(e)))
-        for bucket in plan.buckets:
-            metadata, nbytes = flat_layout(hf_bucket_shapes(plan, bucket, model))
-            flat = self.staging[:nbytes]
-            # One thread: the copies are memory-bound, and with the cores' worth of threads each of the many copies
-            # of a layer bucket waited for cores the engine's threads still held (OpenMP spins after its work):
-            # 10x slower at TP=1 (measured: ~100 ms against ~11 ms a 60 MB bucket).
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                write_hf_bucket(chunks, plan, bucket, model, flat_views(flat, metadata))
-            finally:
-                torch.set_num_threads(threads)
-            dist.barrier()  # every rank's share is in
-            # One serialization per receiving rank: each takes back the reference count its serialization added.
-            each(lambda e: self.client.load_tensor_payloads(
-                e, [serialize_flat(flat, metadata) for _ in range(self.client.engine_tp[e])]))
-            dist.barrier()  # every engine has loaded it: the staging may take the next bucket
+        layouts = [flat_layout(shapes) for shapes in plan.hf_shapes]  # (metadata, bytes) per bucket
+        # One thread: the copies are memory-bound, and with the cores' worth of threads each of the many copies of a
+        # layer bucket waited for cores the engine's threads still held (OpenMP spins after its work): 10x slower at
+        # TP=1 (measured: ~100 ms against ~11 ms a 60 MB bucket).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for b in write_hf_weights(chunks, plan, model, lambda b: flat_views(self.staging, layouts[b][0])):
+                dist.barrier()  # every rank's share is in
+                metadata, nbytes = layouts[b]
+                # One serialization per receiving rank: each takes back the reference count its serialization added.
+                each(lambda e: self.client.load_tensor_payloads(
+                    e, [serialize_flat(self.staging[:nbytes], metadata) for _ in range(self.client.engine_tp[e])]))
+                dist.barrier()  # every engine has loaded it: the staging may take the next bucket
+        finally:
+            torch.set_num_threads(threads)
         each(lambda e: (self.client.end_weight_update(e, version), self.client.resume([e])))
         if self.client is None:
             return None
@@ -258,10 +257,11 @@ def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | Non
     if kind == "tensor":
         if engine_ranks is None:
             raise ValueError("the tensor transport needs engine_ranks: which trainer ranks share each engine's devices")
-        hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        if cpu.on_cpu() and len(set(hosts)) == 1:
-            return SharedStaging(addresses)
+        if cpu.on_cpu():
+            hosts = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            if len(set(hosts)) == 1:
+                return SharedStaging(addresses)
         return ColocatedTensors(addresses, engine_ranks)
     if kind == "distributed":
         return Broadcast(addresses, master_address)
