@@ -69,8 +69,8 @@ def reference(tmp_path_factory):
     return str(ckpt), result
 
 
-# name: (layout, world size, micro_batch_tokens). With 40, every pack happens to hold its sequences longest first; with
-# 200 all six share one pack in their own order, which the local attention regroups by length and must put back.
+# name: (layout, world size, micro_batch_tokens). With 40 the sequences spread over several packs; with
+# 200 all six share one.
 LAYOUTS = {
     "packed": (ParallelConfig(), 1, 40),
     "packed_one_micro_batch": (ParallelConfig(), 1, 200),

@@ -72,7 +72,8 @@ def test_balance_across_ranks():
 
 
 def test_micro_batches_by_tokens():
-    assert micro_batches_by_tokens([5, 3, 4, 2], 7) == [[0, 3], [1, 2]]  # first-fit decreasing: 5+2, 4+3
+    # first-fit decreasing: 5+2, 4+3; each micro-batch longest first
+    assert micro_batches_by_tokens([5, 3, 4, 2], 7) == [[0, 3], [2, 1]]
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the budget 7"):
         micro_batches_by_tokens([5, 9], 7)
     assert micro_batches_by_count(5, 2) == [[0, 1], [2, 3], [4]]

@@ -29,7 +29,9 @@ def balance_across_ranks(lengths: list[int], ranks: int) -> list[list[int]]:
 
 
 def micro_batches_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """First-fit decreasing into micro-batches of at most `max_tokens` tokens (padded lengths)."""
+    """First-fit decreasing into micro-batches of at most `max_tokens` tokens (padded lengths); each one's members
+    longest first, so that sequences of similar length are packed next to each other (models/attention.py attends
+    such runs together)."""
     too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
     if too_long:
         i, n = too_long[0]
@@ -42,7 +44,7 @@ def micro_batches_by_tokens(lengths: list[int], max_tokens: int) -> list[list[in
                 break
         else:
             bins.append((lengths[i], [i]))
-    return [sorted(members) for _, members in bins]
+    return [members for _, members in bins]
 
 
 def micro_batches_by_count(n: int, size: int) -> list[list[int]]:

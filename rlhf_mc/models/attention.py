@@ -9,14 +9,17 @@ so CP and packing work without TE:
   before the CP split); attention is causal within each sequence and never crosses one.
 Attention is always causal and ignores `attention_mask`: padded batches must be padded on the right.
 
-Without CP, packed sequences of similar length are gathered into padded batches and attended with `is_causal` (SDPA's
-fused kernel, no mask): a block-diagonal mask over a packed run makes the kernel compute every whole block (3.9x the
-needed work on an 8k-token micro-batch of 32-512-token sequences) and is rebuilt in every layer.
+Without CP, each run of consecutive packed sequences of equal length is attended as one batch with `is_causal`
+(SDPA's fused kernel, no mask), on a view of the pack. A block-diagonal mask over a packed run would make the kernel
+compute every whole block (3.9x the needed work on an 8k-token micro-batch of 32-512-token sequences); gathering
+sequences of similar length into padded batches (what this module did before) cost more in gathers than it saved in
+kernel calls (CPU, 2 threads: 1.3-2x slower forward and backward at 200 sequences of 8-300 tokens, even at 8-40).
+The micro-batcher packs sequences longest first (data/microbatch.py), so equal lengths are adjacent.
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -33,37 +36,6 @@ from rlhf_mc.runtime.context_parallel import cp_positions
 
 
 BLOCK_TOKENS = 1024
-PAD_WASTE = 1.25  # a padded group's attention work (n x longest^2) stays within this factor of the sum of length^2
-
-
-@functools.lru_cache(maxsize=8)
-def _padded_groups(lengths: tuple[int, ...], device: torch.device):
-    """Sequences grouped by length for padded attention: per group, its shape (n, longest), the token index of every
-    (sequence, position) flattened [n x longest] (a pad repeats the sequence's last token: causal queries never see
-    it) and the flat index of the real entries; and `inverse`, which puts the groups' real outputs back in packed
-    order. Flat indices, for index_select: its backward (index_add) is ~3x faster on CPU than advanced indexing's
-    (index_put with accumulate). Cached: every layer asks the same."""
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] ** 2 <= PAD_WASTE * (
-                sum(lengths[j] ** 2 for j in groups[-1]) + lengths[i] ** 2):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    padded, packed_order = [], []
-    for group in groups:
-        pos = torch.arange(lengths[group[0]])
-        index = torch.stack([starts[i] + pos.clamp(max=lengths[i] - 1) for i in group])
-        real = torch.stack([pos < lengths[i] for i in group]).flatten().nonzero()[:, 0]
-        padded.append((index.shape, index.flatten().to(device), real.to(device)))
-        packed_order += [starts[i] + p for i in group for p in range(lengths[i])]
-    inverse = torch.empty(len(packed_order), dtype=torch.long)
-    inverse[torch.tensor(packed_order, dtype=torch.long)] = torch.arange(len(packed_order))
-    return padded, inverse.to(device)
 
 
 def _blocks(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -147,7 +119,7 @@ class LocalCoreAttention(MegatronModule):
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         if cp_size == 1:
-            return self._padded_causal(query, key[0], value[0], tuple((cu[1:] - cu[:-1]).tolist()))
+            return self._packed_causal(query, key[0], value[0], tuple((cu[1:] - cu[:-1]).tolist()))
         outs, start = [], 0
         for block in _blocks((cu[1:] - cu[:-1]).tolist(), BLOCK_TOKENS):
             local = sum(block) // cp_size
@@ -179,15 +151,15 @@ class LocalCoreAttention(MegatronModule):
         k_pos = torch.cat([cp_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
         return cp_positions(seq_len, cp_size, cp_rank, device), k_pos
 
-    def _padded_causal(self, query, key, value, lengths: tuple[int, ...]):
+    def _packed_causal(self, query, key, value, lengths: tuple[int, ...]):
         """query [t, heads, d], key/value [t, groups, d] holding `lengths` packed sequences -> [t, heads*d]."""
-        padded, inverse = _padded_groups(lengths, query.device)
+        runs = [(n, len(list(same))) for n, same in itertools.groupby(lengths)]
+        sizes = [n * count for n, count in runs]  # one split: its backward is one cat, not a zero-fill per run
         outs = []
-        for shape, index, real in padded:  # gathered: [n, longest, heads, d] -> [n, heads, longest, d]
-            q, k, v = (x.index_select(0, index).unflatten(0, shape).transpose(1, 2) for x in (query, key, value))
-            out = self._sdpa(q, k, v, is_causal=True).transpose(1, 2)  # [n, longest, heads, d]
-            outs.append(out.flatten(0, 1).index_select(0, real))
-        return torch.cat(outs).index_select(0, inverse).flatten(1)
+        for (n, count), *qkv in zip(runs, query.split(sizes), key.split(sizes), value.split(sizes)):
+            q, k, v = (x.unflatten(0, (count, n)).transpose(1, 2) for x in qkv)  # [count, heads, n, d], a view
+            outs.append(self._sdpa(q, k, v, is_causal=True).transpose(1, 2).flatten(0, 1))
+        return torch.cat(outs).flatten(1)
 
     def _attend(self, q, k, v, q_pos, k_pos, q_seg=None, k_seg=None):
         mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # causal by global position
