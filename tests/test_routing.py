@@ -36,10 +36,11 @@ def _batch():
 
 
 def _own_routing(chunks, batch) -> torch.Tensor:
-    """[T, layers * top-k]: the experts the model's routers choose for the batch's tokens (one micro-batch, packed in
-    the batch's order)."""
+    """[T, layers * top-k]: the experts the model's routers choose for the batch's tokens (one micro-batch, packed
+    longest first: put back in the batch's order)."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+    from rlhf_mc.data.microbatch import micro_batches_by_tokens
     from rlhf_mc.workers.policy import compute_log_prob
 
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
@@ -49,7 +50,10 @@ def _own_routing(chunks, batch) -> torch.Tensor:
     routing = torch.cat([r.router_replay.get_recorded_indices() for r in routers], dim=1).to(torch.int16)
     RouterReplay.clear_global_router_replay_action()
     RouterReplay.clear_global_indices()
-    return routing
+    lengths = batch.lengths.tolist()
+    (packed,) = micro_batches_by_tokens(lengths, 8192)  # compute_log_prob's default budget: one micro-batch
+    rows = dict(zip(packed, routing.split([lengths[i] for i in packed])))
+    return torch.cat([rows[i] for i in range(len(lengths))])
 
 
 def _worker() -> dict:

@@ -240,15 +240,15 @@ def _aligned() -> list[dict]:
 
 
 def test_microbatch_fields_sit_at_the_positions_that_predict_their_tokens():
-    """Hand-computed: 8-token micro-batches of sequences [4, 3, 5 tokens] are {1, 2} and {0}; position t carries the
-    values of token t + 1 of its sequence (0 at its last position and outside the loss mask); seq-mean-token-mean
-    weighs a token 1 / (3 sequences x its sequence's trained tokens)."""
+    """Hand-computed: 8-token micro-batches of sequences [4, 3, 5 tokens] are {2, 1} (longest first) and {0};
+    position t carries the values of token t + 1 of its sequence (0 at its last position and outside the loss mask);
+    seq-mean-token-mean weighs a token 1 / (3 sequences x its sequence's trained tokens)."""
     (mbs,) = spawn(_aligned, 1)
     third, twelfth, sixth = (torch.tensor(x, dtype=torch.float32).item() for x in (1 / 3, 1 / 12, 1 / 6))
     assert mbs == [
-        {"tokens": [9, 10, 11, 12, 13, 14, 15, 16], "targets": [10, 11, 0, 13, 14, 15, 16, 0],
-         "advantages": [0, 3, 0, 4, 5, 6, 7, 0], "weight": [0, third, 0, twelfth, twelfth, twelfth, twelfth, 0],
-         "segment": [0, 0, 0, 1, 1, 1, 1, 1]},
+        {"tokens": [12, 13, 14, 15, 16, 9, 10, 11], "targets": [13, 14, 15, 16, 0, 10, 11, 0],
+         "advantages": [4, 5, 6, 7, 0, 0, 3, 0], "weight": [twelfth, twelfth, twelfth, twelfth, 0, 0, third, 0],
+         "segment": [0, 0, 0, 0, 0, 1, 1, 1]},
         {"tokens": [5, 6, 7, 8], "targets": [6, 7, 8, 0], "advantages": [0, 1, 2, 0], "weight": [0, sixth, sixth, 0],
          "segment": [0, 0, 0, 0]},
     ]
