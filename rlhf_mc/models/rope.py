@@ -7,6 +7,11 @@ quickstart's: 256 of 14 tokens), and that loop took ~60% of the actor's update o
 calls for 4 layers); on GPU each of those ops is a kernel launch. Here the rotary table is gathered at every token's
 position within its sequence (on this CP rank: its two load-balanced chunks of each sequence) and Megatron's own
 per-tensor rotation runs once over the whole pack: the same numbers (tests/test_rope.py).
+
+The plain rotation (all of the head's dims, not interleaved: Llama, Qwen, Mistral) is one autograd function that
+writes both halves of one output in place: Megatron's `_apply_rotary_pos_emb_bshd` negates a half, concatenates the
+halves, adds, and concatenates the result with an empty pass-through part, as many again in backward (CPU, 8192
+tokens x 8 heads x 32, forward and backward: 9.4 -> 3.0 ms). Bitwise the same: a + (-b) is a - b.
 """
 
 from __future__ import annotations
@@ -25,9 +30,35 @@ def _apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: 
     if cp_group is None or args or freqs.size(0) == int(cu_seqlens[-1]):
         # per-token freqs already (Megatron's exact-mapping case), or a call this drop-in was not written for
         return _megatron_thd(t, cu_seqlens, freqs, *args, cp_group=cp_group, **rotation)
-    positions = cp_packed_positions(cu_seqlens, cp_group.size(), cp_group.rank())
+    freqs = freqs[cp_packed_positions(cu_seqlens, cp_group.size(), cp_group.rank())]
     # rotation: rotary_interleaved, mscale and the MLA flag under the name of the installed release
-    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions], **rotation).squeeze(1)
+    mscale = rotation.get("mscale", 1.0)
+    if freqs.size(-1) != t.size(-1) or any(on for name, on in rotation.items() if name != "mscale"):
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, **rotation).squeeze(1)
+    cos, sin = ((f(freqs) * mscale).to(t.dtype).squeeze(1) for f in (torch.cos, torch.sin))  # as Megatron's
+    return _Rotation.apply(t, cos, sin)
+
+
+class _Rotation(torch.autograd.Function):
+    """t * cos + rotate_half(t) * sin, with rotate_half(x) = [-x2, x1]; backward: g * cos + [g2 * s2, -g1 * s1]."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        half = t.size(-1) // 2
+        out = t * cos
+        out[..., :half] -= t[..., half:] * sin[..., :half]
+        out[..., half:] += t[..., :half] * sin[..., half:]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad.size(-1) // 2
+        out = grad * cos
+        out[..., :half] += grad[..., half:] * sin[..., half:]
+        out[..., half:] -= grad[..., :half] * sin[..., :half]
+        return out, None, None
 
 
 def use_packed_rotary() -> None:
