@@ -22,6 +22,7 @@ from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, PolicyL
 from rlhf_mc.runtime.spawn import spawn
 
 MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_configs" / "tiny-qwen3-moe.yaml")
+ONE_PACK = 8192  # micro-batch token budget that holds the whole batch
 
 
 def _batch():
@@ -44,14 +45,14 @@ def _own_routing(chunks, batch) -> torch.Tensor:
     from rlhf_mc.workers.policy import compute_log_prob
 
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-    compute_log_prob(chunks, batch)
+    compute_log_prob(chunks, batch, micro_batch_tokens=ONE_PACK)
     routers = sorted((m for m in chunks[0].modules() if getattr(m, "router_replay", None) is not None),
                      key=lambda r: r.layer_number)
     routing = torch.cat([r.router_replay.get_recorded_indices() for r in routers], dim=1).to(torch.int16)
     RouterReplay.clear_global_router_replay_action()
     RouterReplay.clear_global_indices()
     lengths = batch.lengths.tolist()
-    (packed,) = micro_batches_by_tokens(lengths, 8192)  # compute_log_prob's default budget: one micro-batch
+    (packed,) = micro_batches_by_tokens(lengths, ONE_PACK)  # the pack compute_log_prob ran
     rows = dict(zip(packed, routing.split([lengths[i] for i in packed])))
     return torch.cat([rows[i] for i in range(len(lengths))])
 

@@ -119,7 +119,7 @@ class LocalCoreAttention(MegatronModule):
         if cu is None:
             cu = packed_seq_params.cu_seqlens_q
         if cp_size == 1:
-            return self._packed_causal(query, key[0], value[0], tuple((cu[1:] - cu[:-1]).tolist()))
+            return self._packed_causal(query, key[0], value[0], (cu[1:] - cu[:-1]).tolist())
         outs, start = [], 0
         for block in _blocks((cu[1:] - cu[:-1]).tolist(), BLOCK_TOKENS):
             local = sum(block) // cp_size
@@ -151,7 +151,7 @@ class LocalCoreAttention(MegatronModule):
         k_pos = torch.cat([cp_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
         return cp_positions(seq_len, cp_size, cp_rank, device), k_pos
 
-    def _packed_causal(self, query, key, value, lengths: tuple[int, ...]):
+    def _packed_causal(self, query, key, value, lengths: list[int]):
         """query [t, heads, d], key/value [t, groups, d] holding `lengths` packed sequences -> [t, heads*d]."""
         runs = [(n, len(list(same))) for n, same in itertools.groupby(lengths)]
         sizes = [n * count for n, count in runs]  # one split: its backward is one cat, not a zero-fill per run
