@@ -46,7 +46,8 @@ def write_model_config(path: Path, size: str) -> int:
     return llama_matmul_params(hidden, layers, heads, kv_heads, head_dim, ffn, vocab=16)
 
 
-def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int) -> tuple[dict, Path]:
+def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int, dtype: str
+         ) -> tuple[dict, Path]:
     from rlhf_mc.trainer.loop import train
     from rlhf_mc.trainer.plan import make_plan
     from rlhf_mc.trainer.recipe import load_recipe, model_config
@@ -56,7 +57,7 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
         f"trainer.total_steps={steps}", "trainer.save_interval=0", "trainer.export_hf=false",
         "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
-        "rollout.ignore_eos=true", f"actor.optim.lr={LR}"])
+        "rollout.ignore_eos=true", f"actor.optim.lr={LR}", f"model.dtype={dtype}", f"rollout.engine.dtype={dtype}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:]
@@ -64,7 +65,8 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
     return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in keys}, run_dir / "init_hf"
 
 
-def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int) -> tuple[float, float | None]:
+def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int, dtype: str
+             ) -> tuple[float, float | None]:
     """Median step seconds and mean completion length."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -93,7 +95,7 @@ def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int) -> 
                         gradient_accumulation_steps=1, num_generations=N, max_completion_length=response_length,
                         learning_rate=LR, max_steps=steps, beta=0.0, temperature=1.0, logging_steps=1,
                         report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False,
-                        bf16=False,  # TRL's default: bf16 autocast (fast bf16 matmuls on AVX512-BF16 CPUs); ours: fp32
+                        bf16=dtype == "bfloat16",  # TRL's default: bf16 autocast
                         generation_kwargs={"min_new_tokens": response_length})
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimes()])
@@ -108,6 +110,8 @@ def main() -> None:
     parser.add_argument("--response-lengths", nargs="+", type=int, default=[6, 32, 128])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both systems': ours trains and rolls out in it, TRL autocasts to bf16 (its default)")
     parser.add_argument("--trl-as-rank", action="store_true", help="also run TRL started as our CPU ranks are")
     args = parser.parse_args()
     try:
@@ -121,8 +125,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 model_yaml = Path(tmp) / "model.yaml"
                 params = write_model_config(model_yaml, size)
-                phases, model_dir = ours(Path(tmp) / "ours", model_yaml, length, args.steps, args.warmup)
-                config = dict(size=size, params_m=round(params / 1e6, 2), response_length=length,
+                phases, model_dir = ours(Path(tmp) / "ours", model_yaml, length, args.steps, args.warmup,
+                                         args.dtype)
+                config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), response_length=length,
                               response_length_mean=round(phases["response/length_mean"], 1))
                 # tokens through the model per step: prompts (<= 7 characters + BOS) and responses, every sample
                 tokens = PROMPTS * N * (8 + phases["response/length_mean"])
@@ -134,7 +139,7 @@ def main() -> None:
                         emit(figure=f"ours {key}", **config, value=round(seconds, 4), unit="s", mfu=mfu)
                 if trl is None:
                     continue
-                step, trl_length = in_child(trl_step, model_dir, length, args.steps, args.warmup)
+                step, trl_length = in_child(trl_step, model_dir, length, args.steps, args.warmup, args.dtype)
                 ours_step = phases["timing/step_s"]
                 # both do one generation (2 x params x token) and one forward + backward (6 x) per token: the step's
                 # fraction of the machine's matmul peak, and the ratio the peak itself allows over TRL
@@ -146,7 +151,8 @@ def main() -> None:
                      baseline_step_mfu=round(step_flops / step / peak, 3),
                      ratio_at_peak=round(step / (step_flops / peak), 2))
                 if args.trl_as_rank:
-                    as_rank, _ = in_child(trl_step, model_dir, length, args.steps, args.warmup, as_rank=True)
+                    as_rank, _ = in_child(trl_step, model_dir, length, args.steps, args.warmup, args.dtype,
+                                              as_rank=True)
                     emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
                          baseline="trl GRPOTrainer started as our CPU ranks", baseline_s=round(as_rank, 3),
                          ratio_baseline_over_ours=round(as_rank / ours_step, 2),

@@ -221,6 +221,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
+    from rlhf_mc.models.norm import use_fused_rms_norm
     from rlhf_mc.models.rope import use_packed_rotary
     from rlhf_mc.models.swiglu import use_eager_swiglu
 
@@ -252,6 +253,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
         )
         if value_head and gpt.post_process:
             gpt.output_layer = ValueHead(config, init_weights)
+        if not use_te:  # the local spec's norms (TE's are fused kernels)
+            use_fused_rms_norm(gpt)
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
         chunks.append(Float16Module(config, gpt) if config.bf16 else gpt)
