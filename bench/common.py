@@ -50,9 +50,9 @@ def peak_memory(interval_s: float = 0.02):
         result["seconds"] = time.perf_counter() - start
 
 
-def matmul_flops(seconds: float = 3.0) -> float:
-    """This machine's fp32 matmul FLOP/s (1024^3 products on all the cores torch uses here)."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+def matmul_flops(seconds: float = 3.0, dtype: str = "float32") -> float:
+    """This machine's matmul FLOP/s in `dtype` (1024^3 products on all the cores torch uses here)."""
+    a, b = (torch.randn(1024, 1024, dtype=getattr(torch, dtype)) for _ in range(2))
     for _ in range(3):
         a @ b
     count, start = 0, time.perf_counter()
@@ -81,13 +81,13 @@ def in_child(fn, *args, as_rank: bool = False):
     return result
 
 
-def matmul_peak() -> float:
-    """This machine's fp32 matmul FLOP/s, what MFU figures divide by: measured in a plain process (torch as a
-    user's script runs it) and in one started as rlhf_mc starts its CPU ranks (on an AMD CPU, MKL's AVX-512
-    kernels: runtime/host.py); prints both, returns the larger."""
-    here = in_child(matmul_flops)
-    rank = in_child(matmul_flops, as_rank=True)
-    emit(figure="fp32 matmul FLOP/s (1024^3, this machine)", value=round(max(here, rank) / 1e9, 1), unit="GFLOP/s",
+def matmul_peak(dtype: str = "float32") -> float:
+    """This machine's matmul FLOP/s in `dtype`, what MFU figures divide by: measured in a plain process (torch as
+    a user's script runs it) and in one started as rlhf_mc starts its CPU ranks (on an AMD CPU, MKL's AVX-512
+    kernels: runtime/host.py); prints both, returns the larger. (bf16 on a CPU with AMX: 5-10x fp32's.)"""
+    here = in_child(matmul_flops, 3.0, dtype)
+    rank = in_child(matmul_flops, 3.0, dtype, as_rank=True)
+    emit(figure=f"{dtype} matmul FLOP/s (1024^3, this machine)", value=round(max(here, rank) / 1e9, 1), unit="GFLOP/s",
          threads=torch.get_num_threads(), plain_torch=round(here / 1e9, 1), rlhf_mc_rank=round(rank / 1e9, 1))
     return max(here, rank)
 

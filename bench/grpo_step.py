@@ -1,11 +1,13 @@
 """One GRPO step by phase, ours vs TRL's GRPOTrainer (`pip install trl`) on the same model, prompts and batch, over
 model sizes and response lengths: 32 prompts x 8 samples of the quickstart's arithmetic data, one optimizer step per
-batch, no KL term. JSON lines per configuration: our phases (median over the timed steps) with their achieved FLOP/s
-as a fraction of this machine's fp32 matmul FLOP/s (measured first), TRL's step time, the ratio, both steps' fraction
-of that peak and `ratio_at_peak`: TRL's step over a step that ran every matmul at the peak (the most any system could
-gain over TRL on these cores).
+batch, no KL term, both in --dtype (ours trains and rolls out in it; TRL, in bf16, autocasts: its default), our
+micro-batch the whole batch as TRL's forward is. JSON lines per configuration: our phases (median over the timed
+steps) with their achieved FLOP/s as a fraction of this machine's matmul FLOP/s in that dtype (measured first), TRL's
+step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL's step over a step that ran every
+matmul at the peak (the most any system could gain over TRL on these cores).
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 5] [--warmup 2]
+                              [--dtype float32]
 
 Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights) and every
 response runs to the limit in both (ours: rollout.ignore_eos; TRL: min_new_tokens), so both do the same work. Ours
@@ -32,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import emit, in_child, llama_matmul_params, matmul_peak  # noqa: E402
 
 PROMPTS, N, LR = 32, 8, 1e-4
+PROMPT_TOKENS = 8  # the longest arithmetic prompt (<= 7 characters) and BOS
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
 SIZES = {"1m": (128, 4, 4, 2, 384), "6m": (256, 8, 8, 4, 768), "50m": (768, 8, 12, 6, 2304)}
 
@@ -57,7 +60,9 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
         f"trainer.total_steps={steps}", "trainer.save_interval=0", "trainer.export_hf=false",
         "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
-        "rollout.ignore_eos=true", f"actor.optim.lr={LR}", f"model.dtype={dtype}", f"rollout.engine.dtype={dtype}"])
+        "rollout.ignore_eos=true", f"actor.optim.lr={LR}", f"model.dtype={dtype}", f"rollout.engine.dtype={dtype}",
+        # the whole step's batch in one micro-batch, as TRL's one forward over per_device_train_batch_size samples
+        f"actor.micro_batch_tokens={PROMPTS * N * (PROMPT_TOKENS + response_length)}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:]
@@ -119,7 +124,7 @@ def main() -> None:
     except ImportError:
         trl = None
         emit(figure="trl GRPOTrainer step", value=None, note="trl is not installed: pip install trl")
-    peak = matmul_peak()
+    peak = matmul_peak(args.dtype)
     for size in args.sizes:
         for length in args.response_lengths:
             with tempfile.TemporaryDirectory() as tmp:
@@ -129,8 +134,8 @@ def main() -> None:
                                          args.dtype)
                 config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), response_length=length,
                               response_length_mean=round(phases["response/length_mean"], 1))
-                # tokens through the model per step: prompts (<= 7 characters + BOS) and responses, every sample
-                tokens = PROMPTS * N * (8 + phases["response/length_mean"])
+                # tokens through the model per step: prompts and responses, every sample
+                tokens = PROMPTS * N * (PROMPT_TOKENS + phases["response/length_mean"])
                 flops = {"timing/rollout_s": 2 * params * tokens, "timing/old_logprob_s": 2 * params * tokens,
                          "timing/update_actor_s": 6 * params * tokens}
                 for key, seconds in phases.items():

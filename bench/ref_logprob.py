@@ -5,11 +5,11 @@ micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded
 and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU, MKL's AVX-512 kernels,
 runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
 measured for time and peak RSS. Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's
-fp32 matmul FLOP/s (the forward's matmuls: 2 x matmul parameters per token, and causal attention,
+matmul FLOP/s in --dtype (the forward's matmuls: 2 x matmul parameters per token, and causal attention,
 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
 over those FLOPs at the peak: the most any system could beat it by on this machine.
 
-    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192]
+    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def forward_flops(seqs: list[torch.Tensor]) -> float:
     return 2 * matmul_params * tokens + layers * 4 * heads * d * pairs
 
 
-def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
+def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> float:
     from rlhf_mc.bridge.convert import checkpoint_model_config
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
@@ -68,7 +68,7 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
 
     model, _ = checkpoint_model_config(model_dir)
     init_parallel(ParallelConfig())
-    chunks = build_model(model, ParallelConfig(), init_weights=False)
+    chunks = build_model(model, ParallelConfig(), dtype=dtype, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     reference = HostReference(chunks)
     batch = Trajectories.single_turn(workload(n), [PROMPT] * n)
@@ -78,10 +78,10 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def hf_loop(model_dir: str, n: int) -> float:
+def hf_loop(model_dir: str, n: int, dtype: str) -> float:
     import transformers as T
 
-    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = workload(n)
     start = time.perf_counter()
     with torch.no_grad():
@@ -101,10 +101,10 @@ def padded_logprobs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
 
 
-def hf_padded(model_dir: str, n: int) -> float:
+def hf_padded(model_dir: str, n: int, dtype: str) -> float:
     import transformers as T
 
-    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = workload(n)
     start = time.perf_counter()
     with torch.no_grad():
@@ -112,10 +112,10 @@ def hf_padded(model_dir: str, n: int) -> float:
     return time.perf_counter() - start
 
 
-def hf_sorted_batches(model_dir: str, n: int, batch: int = 8) -> float:
+def hf_sorted_batches(model_dir: str, n: int, dtype: str, batch: int = 8) -> float:
     import transformers as T
 
-    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = sorted(workload(n), key=len, reverse=True)
     start = time.perf_counter()
     with torch.no_grad():
@@ -128,34 +128,36 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sequences", type=int, default=700)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="every system's weights")
     args = parser.parse_args()
     n = args.sequences
     seqs = workload(n)
     response_tokens = sum(len(s) - PROMPT for s in seqs)
     all_tokens = sum(len(s) for s in seqs)
-    peak, flops = matmul_peak(), forward_flops(seqs)
+    peak, flops = matmul_peak(args.dtype), forward_flops(seqs)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "model")
         write_model(Path(model_dir))
         runs = {}
         with peak_memory() as m:
-            (seconds,) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens)
+            (seconds,) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype)
         runs["rlhf_mc_ref_swap_packed"] = (seconds, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_loop, model_dir, n)
+            seconds = in_child(hf_loop, model_dir, n, args.dtype)
         runs["transformers_per_sequence_loop"] = (seconds, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_padded, model_dir, n)
+            seconds = in_child(hf_padded, model_dir, n, args.dtype)
         runs["transformers_one_padded_batch"] = (seconds, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_sorted_batches, model_dir, n)
+            seconds = in_child(hf_sorted_batches, model_dir, n, args.dtype)
         runs["transformers_length_sorted_batches_of_8"] = (seconds, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_sorted_batches, model_dir, n, as_rank=True)
+            seconds = in_child(hf_sorted_batches, model_dir, n, args.dtype, as_rank=True)
         runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (seconds, m["peak_process_mb"])
     ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
     for system, (seconds, mb) in runs.items():
-        emit(bench="ref_logprob", system=system, sequences=n, tokens=all_tokens, response_tokens=response_tokens,
+        emit(bench="ref_logprob", system=system, dtype=args.dtype, sequences=n, tokens=all_tokens, response_tokens=response_tokens,
              seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1), peak_process_mb=round(mb, 1),
              rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
              mfu=round(flops / seconds / peak, 3))

@@ -5,8 +5,10 @@ has no RMSNorm kernel: the forward is its composite (upcast, pow, mean, add, rsq
 backward is autograd through each of those ops. Here the forward runs the same ops in the same order (bitwise the
 same output) and the backward is the closed form (torch's own decomposition of _fused_rms_norm_backward): the input
 gradient within an ulp of autograd's, the weight gradient bitwise (tests/test_norm.py). It saves the input and the
-per-row reciprocal RMS, not the fp32 intermediates. Measured on the CPU ([4080, 1, 256], forward and backward, 2 cores): fp32
-3.7-6.8 -> 2.1-2.9 ms, bf16 3.5-3.9 -> 2.6-3.2 ms; at [10240, 1, 256] fp32 11-13 -> 6-9 ms, bf16 16-18 -> 9-11 ms.
+per-row reciprocal RMS, not the fp32 intermediates. Measured on the CPU (2 cores, forward and backward): [4080, 1,
+256] fp32 3.7-6.8 -> 2.1-2.9 ms, bf16 3.5-3.9 -> 2.6-3.2 ms; [10240, 1, 256] fp32 11-13 -> 6-9 ms, bf16 16-18 ->
+9-11 ms; a whole 6.3M-parameter update (256 x 40 tokens, one process, medians of 12 interleaved) fp32 2.29 -> 2.24 s,
+bf16 1.47 -> 1.40 s.
 """
 
 from __future__ import annotations
