@@ -158,7 +158,8 @@ def main() -> None:
     ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
     for system, (seconds, mb) in runs.items():
         emit(bench="ref_logprob", system=system, dtype=args.dtype, sequences=n, tokens=all_tokens,
-             response_tokens=response_tokens, seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1), peak_process_mb=round(mb, 1),
+             response_tokens=response_tokens, seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1),
+             peak_process_mb=round(mb, 1),
              rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
              mfu=round(flops / seconds / peak, 3))
     emit(bench="ref_logprob", figure="ratio_at_peak", gflop=round(flops / 1e9, 1),
