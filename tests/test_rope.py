@@ -1,6 +1,6 @@
 """The one-pass packed rotary embedding (models/rope.py) against Megatron-Core's own per-sequence THD rotation: the
 same outputs and input gradients to the bit, with and without context parallelism, interleaved or not, partial
-rotary."""
+rotary, in fp32 and in bf16 (whose plain rotation adds the rotated halves in another way)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,15 @@ class _Rank:
 @pytest.mark.parametrize("cp_size, cp_rank", [(1, 0), (2, 0), (2, 1), (4, 2)])
 @pytest.mark.parametrize("rotary_interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dims", [16, 8])  # all of the head's dims, or half of them (rotary_percent 0.5)
-def test_packed_rotary_matches_megatron(cp_size, cp_rank, rotary_interleaved, rotary_dims):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rotary_matches_megatron(cp_size, cp_rank, rotary_interleaved, rotary_dims, dtype):
     g = torch.Generator().manual_seed(cp_size * 10 + cp_rank)
     multiple = 2 * cp_size if cp_size > 1 else 1
     lengths = [multiple * int(n) for n in torch.randint(1, 9, (7,), generator=g)]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     local = sum(lengths) // cp_size
     freqs = torch.randn(max(lengths) + 5, 1, 1, rotary_dims, generator=g)
-    t = torch.randn(local, 3, 16, generator=g)
+    t = torch.randn(local, 3, 16, generator=g).to(dtype)
     outputs, grads = [], []
     for fn in (rope._megatron_thd, rope._apply_rotary_pos_emb_thd):
         x = t.clone().requires_grad_()
