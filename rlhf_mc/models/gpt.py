@@ -253,10 +253,10 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
         )
         if value_head and gpt.post_process:
             gpt.output_layer = ValueHead(config, init_weights)
-        if not use_te:  # the local spec's norms (TE's are fused kernels)
-            use_fused_rms_norm(gpt)
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
+        else:  # torch has no RMSNorm kernel on CPU (models/norm.py); on GPU its fused one, or TE's, runs
+            use_fused_rms_norm(gpt)
         chunks.append(Float16Module(config, gpt) if config.bf16 else gpt)
     return chunks
 

@@ -1,4 +1,4 @@
-"""RMSNorm as one autograd function, in place of the torch.nn.RMSNorm modules of Megatron's local layer spec.
+"""RMSNorm as one autograd function, in place of the torch.nn.RMSNorm modules of Megatron's local layer spec on CPU.
 
 Without apex, Megatron's local spec builds its norms with WrappedTorchNorm, i.e. torch.nn.RMSNorm, and on CPU torch
 has no RMSNorm kernel: the forward is its composite (upcast, pow, mean, add, rsqrt, two multiplies, downcast) and the
