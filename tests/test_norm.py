@@ -1,7 +1,7 @@
 """The one-function RMSNorm (models/norm.py) against torch.nn.RMSNorm, the module Megatron's local spec builds: the
-same output and weight gradient to the bit, the input gradient within an ulp (it is the closed form, torch's is
-autograd through the composite; in float64 the two agree to 1e-12), alone and inside a model built by build_model,
-where every norm must be ours."""
+output, input gradient and weight gradient within an ulp (the input gradient is the closed form, torch's is autograd
+through the composite; in float64 the two agree to 1e-12; a large input runs compiled, models/cpu_kernels.py, and
+rounds once), alone and inside a model built by build_model, where every norm must be ours."""
 
 from __future__ import annotations
 
@@ -34,14 +34,18 @@ def _both(shape, dtype, eps=1e-6, seed=0):
     return results
 
 
-@pytest.mark.parametrize("shape", [(37, 1, 24), (5, 3, 16), (9, 40)])  # [t, b, hidden]; per-head q/k norms
+# [t, b, hidden]; per-head q/k norms; COMPILE_FROM elements (compiled)
+@pytest.mark.parametrize("shape", [(37, 1, 24), (5, 3, 16), (9, 40), (2048, 1, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_torch(shape, dtype):
     (out_ref, dx_ref, dw_ref), (out, dx, dw) = _both(shape, dtype)
     assert out.dtype == dx.dtype == dw.dtype == dtype
-    assert torch.equal(out, out_ref) and torch.equal(dw, dw_ref)
     ulp = 2.0 ** (-23 if dtype == torch.float32 else -7)  # relative spacing of the dtype's numbers
-    assert ((dx - dx_ref).abs() <= ulp * dx_ref.abs() + 1e-6 * dx_ref.abs().max()).all(), (dx - dx_ref).abs().max()
+    for ours, reference in ((out, out_ref), (dx, dx_ref)):
+        assert ((ours - reference).abs() <= ulp * reference.abs() + 1e-6 * reference.abs().max()).all(), \
+            (ours - reference).abs().max()
+    # the weight gradient sums over the rows, in another order when compiled
+    assert (dw - dw_ref).abs().max() <= 1e-5 * dw_ref.abs().max() if dtype == torch.float32 else torch.equal(dw, dw_ref)
 
 
 def test_rms_norm_backward_is_the_exact_gradient():
@@ -86,6 +90,6 @@ def test_build_model_uses_it_everywhere():
     assert result["kinds"] == ["rlhf_mc.models.norm.RMSNorm"]
     assert result["norms"] == 4 * config.num_layers + 1
     ours, reference = result["ours"], result["torch"]
-    assert torch.equal(ours["logits"], reference["logits"])
-    # through the layers, an ulp here and there in the norms' input gradients: compare each gradient as a whole
+    # through the layers, an ulp here and there in the norms: compare the logits and each gradient as a whole
+    assert ((ours["logits"] - reference["logits"]).norm() / reference["logits"].norm()).item() < 1e-6
     assert max(((a - b).norm() / b.norm()).item() for a, b in zip(ours["grads"], reference["grads"])) < 1e-5

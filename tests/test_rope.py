@@ -1,6 +1,6 @@
 """The one-pass packed rotary embedding (models/rope.py) against Megatron-Core's own per-sequence THD rotation: the
 same outputs and input gradients to the bit, with and without context parallelism, interleaved or not, partial
-rotary, in fp32 and in bf16 (whose plain rotation adds the rotated halves in another way)."""
+rotary, in fp32 and in bf16; within two ulps where a large pack runs the rotation compiled (models/cpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -66,3 +66,25 @@ def test_megatron_calls_the_packed_rotation():
 
     use_packed_rotary()
     assert rope_utils._apply_rotary_pos_emb_thd is rope._apply_rotary_pos_emb_thd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rotation_of_a_large_pack_within_ulps(dtype):
+    # 4096 tokens x 4 heads x 32 dims = COMPILE_FROM elements: on CPU the rotation runs as one compiled kernel
+    # (models/cpu_kernels.py), which rounds once where Megatron's ops round each product
+    from rlhf_mc.models.cpu_kernels import COMPILE_FROM
+
+    g = torch.Generator().manual_seed(7)
+    cu = torch.arange(0, 4097, 512, dtype=torch.int32)
+    freqs = torch.randn(512 + 5, 1, 1, 32, generator=g)
+    t = torch.randn(4096, 4, 32, generator=g).to(dtype)
+    assert t.numel() >= COMPILE_FROM
+    results = []
+    for fn in (rope._megatron_thd, rope._apply_rotary_pos_emb_thd):
+        x = t.clone().requires_grad_()
+        out = fn(x, cu, freqs, rotary_interleaved=False, mscale=1.0, cp_group=_Rank(1, 0))
+        out.backward(torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin())
+        results.append((out.detach(), x.grad))
+    ulp = 2.0 ** (-23 if dtype == torch.float32 else -7)
+    for ours, megatron in zip(results[1], results[0]):
+        assert (ours - megatron).abs().max() <= 2 * ulp * megatron.abs().max()

@@ -8,11 +8,12 @@ calls for 4 layers); on GPU each of those ops is a kernel launch. Here the rotar
 position within its sequence (on this CP rank: its two load-balanced chunks of each sequence) and Megatron's own
 per-tensor rotation runs once over the whole pack: the same numbers (tests/test_rope.py).
 
-The plain rotation (all of the head's dims, not interleaved: Llama, Qwen, Mistral) is one autograd function that
-writes both halves of one output in place: Megatron's `_apply_rotary_pos_emb_bshd` negates a half, concatenates the
-halves, adds, and concatenates the result with an empty pass-through part, as many again in backward (CPU, 8192
-tokens x 8 heads x 32, forward and backward: 9.4 -> 3.0 ms; in bf16, where the halves are added by one
-concatenation, 8.9 -> 4.3 ms). Bitwise the same: a + (-b) is a - b.
+The plain rotation (all of the head's dims, not interleaved: Llama, Qwen, Mistral) is one autograd function, its
+forward and backward one function each, compiled into one loop for large inputs on CPU (models/cpu_kernels.py):
+Megatron's `_apply_rotary_pos_emb_bshd` negates a half, concatenates the halves, adds, and concatenates the result
+with an empty pass-through part, as many again in backward (a bf16 6.3M-parameter training step of 10240 tokens,
+torch.profiler: ~100 ms of rotation in 8 layers eager, ~37 ms compiled). Uncompiled, bitwise Megatron's numbers (a +
+(-b) is a - b); compiled, rounded once, within two ulps of them (tests/test_rope.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.embeddings import rope_utils
 
+from rlhf_mc.models.cpu_kernels import cpu_kernel
 from rlhf_mc.runtime.context_parallel import cp_packed_positions
 
 _megatron_thd = rope_utils._apply_rotary_pos_emb_thd
@@ -46,28 +48,21 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        (t1, t2), (s1, s2) = t.chunk(2, -1), sin.chunk(2, -1)
-        return _add_halves(t * cos, t2 * s1, t1 * s2, subtract=0)
+        return _rotate(t, cos, sin, False)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        (g1, g2), (s1, s2) = grad.chunk(2, -1), sin.chunk(2, -1)
-        return _add_halves(grad * cos, g2 * s2, g1 * s1, subtract=1), None, None
+        return _rotate(grad, cos, sin, True), None, None
 
 
-def _add_halves(out: torch.Tensor, first: torch.Tensor, second: torch.Tensor, subtract: int) -> torch.Tensor:
-    """out + [first, second] (last dim) with the half numbered `subtract` negated, in out. fp32: in place on each
-    half. Other dtypes: one concatenation and one add, because on CPU their element-wise kernels over halves of 16
-    are ~3x slower than over whole rows (bf16, 8192 tokens x 8 heads x 32, forward and backward: 8.9 ms in place on
-    the halves, 4.3 concatenated; fp32: 4.9 and 7.8). Either way a - b, or a + (-b): the same bits."""
-    parts = (first, second)
-    if out.dtype != torch.float32:
-        parts[subtract].neg_()
-        return out.add_(torch.cat(parts, -1))
-    for i, (part, half) in enumerate(zip(parts, out.chunk(2, -1))):
-        half.sub_(part) if i == subtract else half.add_(part)
-    return out
+@cpu_kernel
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """t * cos + [-t2 * s1, t1 * s2], or its transpose (the backward) t * cos + [t2 * s2, -t1 * s1]: Megatron's
+    numbers, a + (-b) being a - b (compiled, for large inputs on CPU: rounded once, within an ulp of them)."""
+    (t1, t2), (s1, s2) = t.chunk(2, -1), sin.chunk(2, -1)
+    halves = [t2 * s2, -(t1 * s1)] if inverse else [-(t2 * s1), t1 * s2]
+    return t * cos + torch.cat(halves, -1)
 
 
 def use_packed_rotary() -> None:
