@@ -6,7 +6,7 @@ steps) with their achieved FLOP/s as a fraction of this machine's matmul FLOP/s 
 step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL's step over a step that ran every
 matmul at the peak (the most any system could gain over TRL on these cores).
 
-    python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 5] [--warmup 2]
+    python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 6] [--warmup 1]
                               [--dtype float32]
 
 Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights) and every
@@ -65,7 +65,7 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
         f"actor.micro_batch_tokens={PROMPTS * N * (PROMPT_TOKENS + response_length)}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if "timing/step_s" in r][warmup:]
+    timed = [r for r in records if "timing/step_s" in r][warmup:-1]  # the last step also saves the final checkpoint
     keys = sorted({k for r in timed for k in r if k.startswith("timing/")} | {"response/length_mean"})
     return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in keys}, run_dir / "init_hf"
 
@@ -113,12 +113,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["1m", "6m", "50m"])
     parser.add_argument("--response-lengths", nargs="+", type=int, default=[6, 32, 128])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians (compiling)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="both systems': ours trains and rolls out in it, TRL autocasts to bf16 (its default)")
     parser.add_argument("--trl-as-rank", action="store_true", help="also run TRL started as our CPU ranks are")
     args = parser.parse_args()
+    if args.steps < args.warmup + 2:  # ours leaves out its last step too (the final checkpoint is saved in it)
+        parser.error(f"--steps {args.steps}: at least --warmup + 2 = {args.warmup + 2}")
     try:
         import trl  # noqa: F401
     except ImportError:
