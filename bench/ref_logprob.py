@@ -4,7 +4,8 @@ micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded
 (c) transformers on length-sorted padded batches of 8 (what a careful transformers user does), in a plain process,
 and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU, MKL's AVX-512 kernels,
 runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
-measured for time and peak RSS. Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's
+measured for time and peak RSS; ours after a warm-up pass over a few sequences, timed apart (on CPU the first large
+forward compiles the element-wise kernels, once a process). Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's
 matmul FLOP/s in --dtype (the forward's matmuls: 2 x matmul parameters per token, and causal attention,
 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
 over those FLOPs at the peak: the most any system could beat it by on this machine.
@@ -29,6 +30,7 @@ from rlhf_mc.config import ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
 PROMPT = 64
+WARMUP = 32  # sequences of our warm-up pass
 
 
 def workload(n: int):
@@ -58,7 +60,10 @@ def forward_flops(seqs: list[torch.Tensor]) -> float:
     return 2 * matmul_params * tokens + layers * 4 * heads * d * pairs
 
 
-def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> float:
+def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> tuple[float, float]:
+    """Seconds of the pass over the workload, after a warm-up pass over its first WARMUP sequences (the seconds of
+    that, the second value: on CPU it compiles the element-wise kernels, models/cpu_kernels.py, once a process as a
+    training run does, where the reference's pass runs every step)."""
     from rlhf_mc.bridge.convert import checkpoint_model_config
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
@@ -71,11 +76,15 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> float:
     chunks = build_model(model, ParallelConfig(), dtype=dtype, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     reference = HostReference(chunks)
-    batch = Trajectories.single_turn(workload(n), [PROMPT] * n)
-    start = time.perf_counter()
-    with reference.swapped_in(chunks):
-        compute_log_prob(chunks, batch, micro_batch_tokens=micro_batch_tokens)
-    return time.perf_counter() - start
+    seqs = workload(n)
+    times = []
+    for part in (seqs[:WARMUP], seqs):
+        batch = Trajectories.single_turn(part, [PROMPT] * len(part))
+        start = time.perf_counter()
+        with reference.swapped_in(chunks):
+            compute_log_prob(chunks, batch, micro_batch_tokens=micro_batch_tokens)
+        times.append(time.perf_counter() - start)
+    return times[1], times[0]
 
 
 def hf_loop(model_dir: str, n: int, dtype: str) -> float:
@@ -141,8 +150,10 @@ def main() -> None:
         write_model(Path(model_dir))
         runs = {}
         with peak_memory() as m:
-            (seconds,) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype)
+            ((seconds, warmup),) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype)
         runs["rlhf_mc_ref_swap_packed"] = (seconds, m["peak_process_mb"])
+        emit(bench="ref_logprob", figure="ours: warm-up pass (compiles on CPU)", sequences=WARMUP,
+             value=round(warmup, 2), unit="s")
         with peak_memory() as m:
             seconds = in_child(hf_loop, model_dir, n, args.dtype)
         runs["transformers_per_sequence_loop"] = (seconds, m["peak_process_mb"])
