@@ -1,6 +1,6 @@
-"""Rollout tokens/s through rlhf_mc's SGLang engine vs the raw SGLang server (one batched HTTP request) vs
-transformers' generate, same model and batch, in one invocation, for the model sizes of bench/grpo_step.py (with a
-2048-token vocabulary). Every response runs to --new-tokens in all three. generate runs in a plain process of its
+"""Rollout tokens/s through rlhf_mc's SGLang engine vs the raw SGLang server (one batched HTTP request, prompts
+repeated n times) vs transformers' generate, same model and batch, in one invocation, for the model sizes of
+bench/grpo_step.py (with a 2048-token vocabulary). Every response runs to --new-tokens in all three. generate runs in a plain process of its
 own and in one started as our CPU ranks and servers are (on an AMD CPU, MKL's AVX-512 kernels, runtime/host.py): how
 much of the ratio is the kernels and how much the rest. Prints JSON lines with the ratios.
 
@@ -72,8 +72,7 @@ def measure(size: str, args) -> None:
     common = dict(bench="rollout_throughput", size=size, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         params = write_model(Path(tmp) / "model", size)
-        engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32",
-                                            max_concurrency=args.prompts))
+        engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32"))
         try:
             sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:2], sampling)  # warm-up
@@ -82,9 +81,10 @@ def measure(size: str, args) -> None:
             ours_s = time.perf_counter() - start
             ours_tokens = sum(len(s.response_ids) for s in samples)
 
-            payload = {"input_ids": prompts, "return_logprob": True,
-                       "sampling_params": {"n": args.n, "temperature": 1.0, "max_new_tokens": args.new_tokens,
-                                           "ignore_eos": True}}
+            # SGLang's fastest form: each prompt repeated n times (with n > 1 it first caches each prompt in a
+            # request of its own and waits for those; its tokenizer manager advises duplicating the prompts)
+            payload = {"input_ids": [p for p in prompts for _ in range(args.n)], "return_logprob": True,
+                       "sampling_params": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}}
             start = time.perf_counter()
             raw = requests.post(engine.urls[0] + "/generate", json=payload, timeout=3600).json()
             raw_s = time.perf_counter() - start

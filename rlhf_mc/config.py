@@ -476,7 +476,9 @@ class RolloutConfig:
     # mixture-of-experts models: each sample comes with the experts the server routed its tokens to
     # (--enable-return-routed-experts); the trainer sets it for MoE models
     return_routed_experts: bool = False
-    max_concurrency: int = 64  # requests in flight through our client, over all engines
+    # samples one engine is sent at once by a generate call: a batched request, which SGLang's scheduler batches and
+    # refills; more wait for it to end
+    max_concurrency: int = 1024
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     max_restarts: int = 3  # per engine, for crashed servers

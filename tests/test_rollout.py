@@ -118,15 +118,21 @@ def test_context_limit_is_reported_not_cut(sglang_engine):
 
 def test_sessions_pick_engines_and_budgets_are_per_prompt(sglang_engine):
     """Two clients' worth of engines (the one server attached twice): each session's requests go to engine
-    session % 2, whatever the load; per-prompt max_new_tokens cap each response, the context still caps all."""
+    session % 2, whatever the load, in requests of at most max_concurrency samples (here 6 and 4 samples in
+    requests of 3: each sample once, in its place); per-prompt max_new_tokens cap each response, the context still
+    caps all."""
     from rlhf_mc.config import RolloutConfig
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
     address = sglang_engine.urls[0].removeprefix("http://")
-    engines = SGLangEngine(RolloutConfig(addresses=(address, address), num_engines=2))
-    sessions = [5, 2, 2, 7, 4]
-    samples = engines.generate([[5, 6, 7]] * 5, SamplingParams(temperature=0, max_new_tokens=9, n=2), sessions)
+    engines = SGLangEngine(RolloutConfig(addresses=(address, address), num_engines=2, max_concurrency=3))
+    sessions, prompts = [5, 2, 2, 7, 4], [[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [15, 16]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=9, n=2)
+    samples = engines.generate(prompts, greedy, sessions)
     assert [s.engine for s in samples] == [session % 2 for session in sessions for _ in range(2)]
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(p, i) for p in range(5) for i in range(2)]
+    alone = [sglang_engine.generate([prompt], greedy)[0].response_ids for prompt in prompts]
+    assert [s.response_ids for s in samples] == [ids for ids in alone for _ in range(2)]
     near_limit = [3] * sglang_engine.max_prompt_length
     samples = sglang_engine.generate([[5, 6, 7], [8, 9], near_limit], SamplingParams(temperature=0, max_new_tokens=9),
                                      max_new_tokens=[1, 4, 50])

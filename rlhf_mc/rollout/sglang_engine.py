@@ -1,5 +1,6 @@
-"""RolloutEngine on SGLang: data-parallel servers launched and supervised here (or attached by address), requests
-from token ids with bounded concurrency and client-side load balancing, weight updates through SGLang's APIs.
+"""RolloutEngine on SGLang: data-parallel servers launched and supervised here (or attached by address), samples
+from token ids dealt to the engines on the client (by session, else to the least loaded) in batched requests, weight
+updates through SGLang's APIs.
 
 Weight updates: "tensor" payloads are flattened buckets (SGLang's `flattened_bucket` load format: one tensor, one
 handle per bucket), serialized once per engine TP rank, as SGLang's own sender does (each rank opens only its own
@@ -71,6 +72,17 @@ def _token_versions(meta: dict, tokens: int) -> list[int]:
     for span in meta["weight_versions"]:
         versions[span["start"]:span["end"]] = [_version(span["version"])] * (span["end"] - span["start"])
     return versions
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One sample to generate: its prompt, its SGLang sampling params, and whether the context cut its budget."""
+
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    sampling: dict
+    capped: bool  # max_new_tokens lowered to what the context leaves
 
 
 @dataclasses.dataclass
@@ -222,31 +234,31 @@ class SGLangEngine:
             raise RuntimeError(f"engine {engine} {path}: HTTP {response.status_code}: {json.dumps(body)[:500]}")
         return body
 
-    def _pick_engine(self, avoid: int | None, session: int | None) -> int:
+    def _pick_engine(self, avoid: int | None, preferred: int, samples: int) -> int:
+        """`preferred`, unless it is the engine to avoid (the one that just failed), else the least loaded other."""
         with self._lock:
-            candidates = [i for i in range(len(self.urls)) if i != avoid] or [avoid]
-            engine = min(candidates, key=lambda i: self._inflight[i])
-            if session is not None and session % len(self.urls) in candidates:
-                engine = session % len(self.urls)
-            self._inflight[engine] += 1
+            engine = preferred
+            if engine == avoid and len(self.urls) > 1:
+                engine = min((i for i in range(len(self.urls)) if i != avoid), key=lambda i: self._inflight[i])
+            self._inflight[engine] += samples
             return engine
 
-    def _generate_request(self, payload: dict, session: int | None = None) -> tuple[int, list | dict]:
-        """Posts one /generate request (to the session's engine, if given); a server that died is restarted and the
-        request retried."""
-        avoid = None
+    def _generate_request(self, payload: dict, engine: int) -> tuple[int, list]:
+        """Posts one batched /generate request to `engine`; a server that died is restarted and the request retried
+        (on another engine, if there is one). Returns the engine that answered and one output per input."""
+        avoid, samples = None, len(payload["input_ids"])
         for _ in range(self.cfg.max_restarts + 2):
-            engine = self._pick_engine(avoid, session)
+            target = self._pick_engine(avoid, engine, samples)
             try:
-                return engine, self._call(engine, "POST", "/generate", payload)
+                return target, self._call(target, "POST", "/generate", payload)
             except (requests.ConnectionError, requests.Timeout) as error:
                 self.stats["request_retries"] += 1
-                log.warning("engine %d failed a request (%s); recovering", engine, error)
-                self.recover(engine)
-                avoid = engine if len(self.urls) > 1 else None
+                log.warning("engine %d failed a request (%s); recovering", target, error)
+                self.recover(target)
+                avoid = target
             finally:
                 with self._lock:
-                    self._inflight[engine] -= 1
+                    self._inflight[target] -= samples
                     self._lock.notify_all()
         raise EngineDown(f"request failed {self.cfg.max_restarts + 2} times")
 
@@ -299,7 +311,13 @@ class SGLangEngine:
                   "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
                   "skip_special_tokens": False}
         samples: list[RolloutSample] = []
-        jobs = []  # (prompt index, first sample index, payload, max_new_tokens capped by the context)
+        # One entry per sample, n=1 each: SGLang serves a request with n > 1 as a prefix-caching request it waits
+        # for, then the n samples (tokenizer_manager _handle_batch_request, which advises duplicating the prompts
+        # instead), and a whole rollout's samples in one batched request reach its scheduler in one message, so
+        # they start in one prefill. verl's SGLang rollout sends its batch so, prompts repeated n times.
+        shares: list[list[_Entry]] = [[] for _ in self.urls]
+        with self._lock:
+            load = list(self._inflight)
         for p, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompts[{p}]: empty prompt")
@@ -312,37 +330,47 @@ class SGLangEngine:
             if wanted < 1:
                 raise ValueError(f"max_new_tokens[{p}]: must be >= 1, got {wanted}")
             max_new = min(wanted, budget)
-            if sampling.seed is None:
-                groups = [(0, {**params, "n": sampling.n, "max_new_tokens": max_new})]
-            else:
-                groups = [(i, {**params, "max_new_tokens": max_new, "sampling_seed": sampling.seed + i})
-                          for i in range(sampling.n)]
-            for first, sp in groups:
-                request = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+            # a session's prompts go to its engine (whose cache holds the conversation), others to the least loaded
+            engine = sessions[p] % len(self.urls) if sessions is not None else min(
+                range(len(self.urls)), key=lambda e: load[e])
+            load[engine] += sampling.n
+            for i in range(sampling.n):
+                sp = {**params, "max_new_tokens": max_new}
+                if sampling.seed is not None:
+                    sp["sampling_seed"] = sampling.seed + i
+                shares[engine].append(_Entry(p, i, prompt, sp, max_new < wanted))
+
+        def serve(engine: int) -> list[RolloutSample]:
+            """The engine's share in requests of at most rollout.max_concurrency samples, one after another."""
+            served = []
+            for first in range(0, len(shares[engine]), self.cfg.max_concurrency):
+                batch = shares[engine][first:first + self.cfg.max_concurrency]
+                request = {"input_ids": [entry.prompt for entry in batch],
+                           "sampling_params": [entry.sampling for entry in batch], "return_logprob": True}
                 if self.cfg.return_routed_experts:
                     request["return_routed_experts"] = True
-                jobs.append((p, first, request, max_new < wanted))
-        with ThreadPoolExecutor(max_workers=min(self.cfg.max_concurrency, max(1, len(jobs)))) as pool:
-            results = list(pool.map(lambda job: self._generate_request(
-                job[2], None if sessions is None else sessions[job[0]]), jobs))
-        for (p, first, request, capped), (engine, outputs) in zip(jobs, results):
-            for offset, out in enumerate(outputs if isinstance(outputs, list) else [outputs]):
-                samples.append(self._sample(p, first + offset, engine, out, capped, len(request["input_ids"])))
+                answered_by, outputs = self._generate_request(request, engine)
+                served += [self._sample(entry, answered_by, out) for entry, out in zip(batch, outputs, strict=True)]
+            return served
+
+        busy = [engine for engine, share in enumerate(shares) if share]
+        with ThreadPoolExecutor(max_workers=max(1, len(busy))) as pool:
+            for served in pool.map(serve, busy):
+                samples += served
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
 
-    def _sample(self, prompt: int, index: int, engine: int, out: dict, capped: bool, prompt_length: int
-                ) -> RolloutSample:
+    def _sample(self, entry: _Entry, engine: int, out: dict) -> RolloutSample:
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "abort"
-        if reason == "length" and capped:  # stopped by the context limit, not by max_new_tokens
+        if reason == "length" and entry.capped:  # stopped by the context limit, not by max_new_tokens
             reason = "context_length"
             self.stats["response_over_context"] += 1
-        logprobs = [entry[0] for entry in meta["output_token_logprobs"]]
+        logprobs = [logprob for logprob, *_ in meta["output_token_logprobs"]]
         routed = None
         if self.cfg.return_routed_experts:
-            routed = _routed_experts(meta, prompt_length + len(out["output_ids"]) - 1, self.urls[engine])
-        return RolloutSample(prompt, index, list(out["output_ids"]), logprobs, reason,
+            routed = _routed_experts(meta, len(entry.prompt) + len(out["output_ids"]) - 1, self.urls[engine])
+        return RolloutSample(entry.prompt_index, entry.sample_index, list(out["output_ids"]), logprobs, reason,
                              _token_versions(meta, len(out["output_ids"])), engine, routed)
 
     # ---------------------------------------------------------------- weights
