@@ -70,7 +70,7 @@ def test_megatron_calls_the_packed_rotation():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_rotation_of_a_large_pack_within_ulps(dtype):
-    # 4096 tokens x 4 heads x 32 dims = COMPILE_FROM elements: on CPU the rotation runs as one compiled kernel
+    # 4096 tokens x 4 heads x 32 dims = 2^19 >= COMPILE_FROM elements: on CPU the rotation runs as one compiled kernel
     # (models/cpu_kernels.py), which rounds once where Megatron's ops round each product
     from rlhf_mc.models.cpu_kernels import COMPILE_FROM
 

@@ -55,7 +55,7 @@ def test_swiglu_is_megatrons_unfused_bitwise(shape, with_bias, dtype, weighted):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_swiglu_of_a_large_input_within_an_ulp(dtype):
-    # [1024, 1, 2 x 512]: the gradient has COMPILE_FROM elements, both kernels run compiled; they round once
+    # [1024, 1, 2 x 512]: the gradient has 2^19 >= COMPILE_FROM elements, both kernels run compiled; they round once
     g = torch.Generator().manual_seed(3)
     y = (3 * torch.randn(1024, 1, 1024, generator=g)).to(dtype)
     grad = torch.randn(1024, 1, 512, generator=g).to(dtype)

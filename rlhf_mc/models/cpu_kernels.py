@@ -9,7 +9,9 @@ A function is compiled on its first call in a process with dynamic shapes (one k
 dtype and hidden size), and Inductor keeps the generated code on disk (TORCHINDUCTOR_CACHE_DIR, by default
 /tmp/torchinductor_$USER). That costs a process ~13 s the first time on a machine and ~2.7 s after (importing dynamo
 and Inductor, tracing, loading the cached kernels): worth it for tensors of COMPILE_FROM elements or more, where a
-step saves tens of milliseconds; smaller calls (tiny models, short batches) run the same function uncompiled.
+step saves tens of milliseconds (a 0.8M model's train step over 3584 tokens, [3584, 128] activations, one process:
+bf16 0.137 -> 0.109 s, fp32 0.183 -> 0.166 s with the bound lowered from 2^19 to 2^18; 2^17 gains nothing more);
+smaller calls (tiny models, short batches) run the same function uncompiled.
 Used on CPU only (build_model installs the norm and the SwiGLU there); on GPU torch's and Megatron's fused kernels
 run.
 """
@@ -21,7 +23,7 @@ from typing import Callable
 
 import torch
 
-COMPILE_FROM = 1 << 19  # elements of the first argument
+COMPILE_FROM = 1 << 18  # elements of the first argument
 
 
 def cpu_kernel(fn: Callable) -> Callable:
