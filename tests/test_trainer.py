@@ -12,9 +12,10 @@ Crash and stop handling, in one sequence of launches that share a run directory:
 
 Rollouts are greedy (temperature 0) because SGLang honours sampling seeds only on GPU backends (rollout/base.py);
 REINFORCE++ with one sample per prompt still gives non-zero advantages, so the weights move every step. The engine
-takes one request at a time (rollout.engine.max_concurrency=1): which requests share a batch depends on when they
-arrive, and a row of a matmul changes in its last bits with the batch's row count (MKL, measured here), enough to
-flip a greedy token now and then (CI saw it at step 3 once)."""
+takes one sample at a time (rollout.engine.max_concurrency=1: requests of one sample, one after another): which
+samples share a batch otherwise depends on how they reach the server (a killed server's retried samples), and a row
+of a matmul changes in its last bits with the batch's row count (MKL, measured here), enough to flip a greedy token
+now and then (CI saw it at step 3 once)."""
 
 from __future__ import annotations
 
