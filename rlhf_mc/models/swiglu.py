@@ -45,6 +45,11 @@ def _forward(y: torch.Tensor) -> torch.Tensor:
 @cpu_kernel
 def _backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     gate, up = y.chunk(2, -1)
+    if torch.compiler.is_compiling():
+        # Inductor runs aten's silu_backward as a kernel of its own, outside the fused loop; its formula fuses
+        # ([11264, 1, 2 x 768]: bf16 20.5 -> 11.9 ms, fp32 28.2 -> 25.2)
+        sigmoid = torch.sigmoid(gate)
+        return torch.cat([grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid], -1)
     # SiLU's own backward op: uncompiled, the numbers of autograd through Megatron's unfused SwiGLU
     return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], -1)
 
