@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mc.data.microbatch import micro_batches_by_tokens
-from rlhf_mc.data.packing import pack
+from rlhf_mc.data.packing import next_tokens, pack
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.bridge.weights import weights as _weights
 from rlhf_mc.models.routing import Routing
@@ -40,28 +40,23 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, c
 
     padded = [-(-len(s) // multiple) * multiple for s in sequences]
     groups = micro_batches_by_tokens(padded, micro_batch_tokens)
-    packs = []
-    for group in groups:
-        seqs = [sequences[i] for i in group]
-        targets = [torch.cat([s[1:], s.new_zeros(1)]) for s in seqs]  # position t predicts token t + 1
-        packs.append((pack(seqs, multiple), pack(targets, multiple)))
-    longest = max(p.tokens.size(1) for p, _ in packs)
+    packs = [pack([sequences[i] for i in group], multiple) for group in groups]
+    longest = max(p.tokens.size(1) for p in packs)
     if interleaved_pp:
         filler = torch.zeros(longest, dtype=sequences[0].dtype)
         while len(packs) % interleaved_pp:
-            packs.append((pack([filler], multiple), pack([filler], multiple)))
+            packs.append(pack([filler], multiple))
             groups.append([])
     microbatches = []
-    for packed, targets in packs:
+    for packed in packs:
         if interleaved_pp and packed.tokens.size(1) < longest:
             filler = torch.zeros(longest - packed.tokens.size(1), dtype=packed.tokens.dtype)
-            packed, targets = (pack([*packed.unpack_padded(), filler], multiple),
-                               pack([*targets.unpack_padded(), filler], multiple))
+            packed = pack([*packed.unpack_padded(), filler], multiple)
         cu = packed.cu_seqlens
         microbatches.append({
             "tokens": split_for_cp(packed.tokens, cp, cp_rank, 1, cu).to(device),
             "position_ids": split_for_cp(packed.position_ids, cp, cp_rank, 1, cu).to(device),
-            "targets": split_for_cp(targets.tokens, cp, cp_rank, 1, cu).to(device),
+            "targets": split_for_cp(next_tokens(packed), cp, cp_rank, 1, cu).to(device),
             "packed_seq_params": _to(packed.packed_seq_params(), device),
             "packed": packed,
         })
@@ -122,8 +117,11 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
     rows: dict[str, list] = {k: [None] * len(batch) for k in (payload[0][0] if payload[0] else {})}
     for mb, group, report in zip(microbatches, groups, payload[0]):
         for k, v in report.items():
-            for i, part in zip(group, mb["packed"].unpack(v)):
-                rows[k][i] = torch.cat([part.new_zeros(1), part[:-1]])  # position t's value is token t + 1's
+            # position t's value is token t + 1's: one place later, and 0 at each sequence's first token
+            shifted = v.roll(1, 0)
+            shifted[mb["packed"].cu_seqlens[:-1]] = 0
+            for i, part in zip(group, mb["packed"].unpack(shifted)):
+                rows[k][i] = part
     return {k: torch.cat(v) for k, v in rows.items()}
 
 
