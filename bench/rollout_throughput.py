@@ -66,11 +66,6 @@ def main() -> None:
         measure(size, args)
 
 
-def flush_cache(url: str) -> None:
-    """Empties the server's prefix cache, so that each timed run prefills its prompts."""
-    requests.post(url + "/flush_cache?timeout=60", timeout=120).raise_for_status()
-
-
 def measure(size: str, args) -> None:
     prompts = torch.randint(0, 2048, (args.prompts, args.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.tolist()
@@ -81,7 +76,7 @@ def measure(size: str, args) -> None:
         try:
             sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:2], sampling)  # warm-up
-            flush_cache(engine.urls[0])
+            engine.flush_cache()  # each timed run prefills its prompts
             start = time.perf_counter()
             samples = engine.generate(prompts, sampling)
             ours_s = time.perf_counter() - start
@@ -91,7 +86,7 @@ def measure(size: str, args) -> None:
             # request of its own and waits for those; its tokenizer manager advises duplicating the prompts)
             payload = {"input_ids": [p for p in prompts for _ in range(args.n)], "return_logprob": True,
                        "sampling_params": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}}
-            flush_cache(engine.urls[0])  # else its prefill finds every prompt cached by ours
+            engine.flush_cache()  # else its prefill finds every prompt cached by ours
             start = time.perf_counter()
             raw = requests.post(engine.urls[0] + "/generate", json=payload, timeout=3600).json()
             raw_s = time.perf_counter() - start

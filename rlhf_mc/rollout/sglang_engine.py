@@ -533,16 +533,18 @@ class SGLangEngine:
         self._all("/continue_generation", {}, engines)
 
     def flush_cache(self) -> None:
-        self._all("/flush_cache")
-
-    def release_memory(self, tags: Iterable[str] = WEIGHTS_TAGS + KV_CACHE_TAGS) -> None:
-        """Frees the engines' device memory of `tags` (weights, KV cache, CUDA graphs; it takes --enable-memory-saver
-        on GPU). SGLang's scheduler asserts that it is idle on a release and dies if not. So: wait for the requests
-        in flight through this client, then for the scheduler to retire their batch (the last answers can reach us
-        before it has): /flush_cache with a timeout answers once it is idle, and flushes, as a release does."""
+        """Empties the engines' prefix cache, once the requests in flight through this client are answered and the
+        scheduler has retired their batch (the last answers can reach us before it has): /flush_cache with a timeout
+        answers once it is idle."""
         with self._lock:
             self._lock.wait_for(lambda: not any(self._inflight))
         self._all(f"/flush_cache?timeout={self.cfg.request_timeout_s}")
+
+    def release_memory(self, tags: Iterable[str] = WEIGHTS_TAGS + KV_CACHE_TAGS) -> None:
+        """Frees the engines' device memory of `tags` (weights, KV cache, CUDA graphs; it takes --enable-memory-saver
+        on GPU). SGLang's scheduler asserts that it is idle on a release and dies if not: flush_cache waits until it
+        is, and flushes, as a release does."""
+        self.flush_cache()
         for engine in range(len(self.urls)):
             todo = [tag for tag in tags if tag not in self.released[engine]]
             if todo:
