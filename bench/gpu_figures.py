@@ -14,7 +14,9 @@ lent GPU machine: one GPU, no SGLang, Ray or Transformer Engine needed):
   batch (64-token prompts, responses of 32-512 tokens): our packed log-prob pass and GRPO-loss optimizer step against
   transformers on length-sorted padded micro-batches of 8 (the same model shape and dtype, SDPA attention).
 
-    python bench/gpu_figures.py [--only NAME ...] [--context 32768]
+    python bench/gpu_figures.py [--only NAME ...] [--context 32768] [--model model_configs/qwen3-0.6b.yaml]
+
+A figure that fails prints its error as a JSON line and the others still run (a lent GPU machine's minutes are few).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -34,7 +37,6 @@ from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig  # noqa:
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN3_06B = ModelConfig.from_yaml(REPO / "model_configs" / "qwen3-0.6b.yaml")
 
 
 def _timed(fn, repeats: int, warmup: int = 2) -> float:
@@ -63,7 +65,7 @@ def _flops_per_token(model: ModelConfig, seq: int) -> float:
     return 3 * (layers * per_layer + 2 * h * model.vocab_size)
 
 
-def train_step(seq: int, batch: int, steps: int) -> dict:
+def train_step(model: ModelConfig, seq: int, batch: int, steps: int) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
@@ -71,26 +73,26 @@ def train_step(seq: int, batch: int, steps: int) -> dict:
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
-    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    chunks = build_model(model, ParallelConfig(), dtype="bfloat16")
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     g = torch.Generator().manual_seed(0)
-    data = Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (seq,), generator=g)
+    data = Trajectories.single_turn([torch.randint(0, model.vocab_size, (seq,), generator=g)
                                      for _ in range(batch)], [seq // 2] * batch)
     seconds = _timed(lambda: sft_step(state, data, seq * 2), steps, 1)
     tokens = seq * batch
-    return {"tokens_per_s": tokens / seconds, "flops_per_s": tokens * _flops_per_token(QWEN3_06B, seq) / seconds,
+    return {"tokens_per_s": tokens / seconds, "flops_per_s": tokens * _flops_per_token(model, seq) / seconds,
             "params": sum(p.numel() for p in chunks[0].parameters()), "seconds": seconds}
 
 
-def logprob_memory(context: int) -> dict:
+def logprob_memory(model: ModelConfig, context: int) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig(), seed=0)
-    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
-    seq = Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (context,),
+    chunks = build_model(model, ParallelConfig(), dtype="bfloat16")
+    seq = Trajectories.single_turn([torch.randint(0, model.vocab_size, (context,),
                                                   generator=torch.Generator().manual_seed(0))], [1])
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -99,10 +101,10 @@ def logprob_memory(context: int) -> dict:
     compute_log_prob(chunks, seq, micro_batch_tokens=context)
     torch.cuda.synchronize()
     return {"peak_extra_bytes": torch.cuda.max_memory_allocated() - base, "seconds": time.perf_counter() - start,
-            "full_logits_bytes": context * QWEN3_06B.vocab_size * 4}
+            "full_logits_bytes": context * model.vocab_size * 4}
 
 
-def offload_figures() -> dict:
+def offload_figures(model: ModelConfig) -> dict:
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.optim import setup_training
     from rlhf_mc.runtime import init_parallel
@@ -111,9 +113,9 @@ def offload_figures() -> dict:
     from rlhf_mc.workers.train import sft_step
 
     init_parallel(ParallelConfig(), seed=0)
-    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
+    chunks = build_model(model, ParallelConfig(), dtype="bfloat16")
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
-    sft_step(state, Trajectories.single_turn([torch.randint(0, QWEN3_06B.vocab_size, (1024,)) for _ in range(2)],
+    sft_step(state, Trajectories.single_turn([torch.randint(0, model.vocab_size, (1024,)) for _ in range(2)],
                                              [512] * 2), 2048)
     saved, out = [], {"offload_s": [], "reload_s": [], "freed": []}
     for _ in range(3):
@@ -132,20 +134,20 @@ def offload_figures() -> dict:
             "first_offload_s": out["offload_s"][0], "reload_s": statistics.median(out["reload_s"])}
 
 
-def _rl_batch(sequences: int):
+def _rl_batch(model: ModelConfig, sequences: int):
     """64-token prompts and responses of 32-512 tokens (bench/ref_logprob.py's spread), GRPO fields on them."""
     from rlhf_mc.data.trajectory import Trajectories
 
     g = torch.Generator().manual_seed(0)
     responses = torch.randint(32, 513, (sequences,), generator=g).tolist()
-    seqs = [torch.randint(0, QWEN3_06B.vocab_size, (64 + r,), generator=g) for r in responses]
+    seqs = [torch.randint(0, model.vocab_size, (64 + r,), generator=g) for r in responses]
     return Trajectories.single_turn(seqs, [64] * sequences, {"advantages": [torch.randn(r, generator=g)
                                                                              for r in responses],
                                                               "rollout_logprobs": [-torch.rand(r, generator=g)
                                                                                    for r in responses]})
 
 
-def rl_ours(sequences: int, repeats: int) -> dict:
+def rl_ours(model: ModelConfig, sequences: int, repeats: int) -> dict:
     """Seconds of our log-prob pass and of one GRPO-loss optimizer step over the batch (bf16, packed)."""
     from rlhf_mc.config import PolicyLossConfig
     from rlhf_mc.models.gpt import build_model
@@ -155,27 +157,27 @@ def rl_ours(sequences: int, repeats: int) -> dict:
     from rlhf_mc.workers.train import train_step
 
     init_parallel(ParallelConfig(), seed=0)
-    chunks = build_model(QWEN3_06B, ParallelConfig(), dtype="bfloat16")
-    batch = _rl_batch(sequences)
+    chunks = build_model(model, ParallelConfig(), dtype="bfloat16")
+    batch = _rl_batch(model, sequences)
     logprob = _timed(lambda: compute_log_prob(chunks, batch, micro_batch_tokens=16384), repeats, 1)
     state = setup_training(chunks, OptimizerConfig(lr=1e-6))
     update = _timed(lambda: train_step(state, batch, PolicyLossConfig(), micro_batch_tokens=16384), repeats, 1)
     return {"logprob_s": logprob, "update_s": update, "tokens": int(batch.lengths.sum())}
 
 
-def rl_transformers(sequences: int, repeats: int, micro_batch: int = 8) -> dict:
+def rl_transformers(model_config: ModelConfig, sequences: int, repeats: int, micro_batch: int = 8) -> dict:
     """The same with transformers: length-sorted padded micro-batches, log_softmax + gather; the update adds the
     clipped-ratio loss of the responses, backward and AdamW."""
     import transformers as T
 
     from rlhf_mc.bridge.hf_config import hf_config_from_model
 
-    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(QWEN3_06B, "bfloat16").items()
+    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(model_config, "bfloat16").items()
                                        if k != "architectures"})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
-    batch = _rl_batch(sequences)
+    batch = _rl_batch(model_config, sequences)
     rows = sorted(zip(batch.rows(), batch.rows(batch.fields["advantages"])), key=lambda r: -len(r[0]))
     groups = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
     padded = []
@@ -259,49 +261,71 @@ def ipc_handover(mb: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["matmul", "train_step", "logprob_memory", "offload",
-                                                      "ipc_handover", "rl"])
+    names = ["matmul", "train_step", "logprob_memory", "offload", "ipc_handover", "rl"]
+    parser.add_argument("--only", nargs="*", choices=names, default=names)
     parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--model", type=Path, default=REPO / "model_configs" / "qwen3-0.6b.yaml")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         emit(bench="gpu_figures", skipped="no CUDA device")
         return
+    model, name = ModelConfig.from_yaml(args.model), args.model.stem
     emit(bench="gpu_figures", figure="device", name=torch.cuda.get_device_name(), torch=torch.__version__,
          megatron_core=__import__("megatron.core").core.__version__)
     peak = matmul_peak()
-    if "matmul" in args.only:
+
+    def matmul():
         emit(bench="gpu_figures", figure="matmul_bf16_tflops", value=round(peak / 1e12, 1))
-    if "train_step" in args.only:
-        (r,) = spawn(train_step, 1, 4096, 8, 5, device="cuda")
-        emit(bench="gpu_figures", figure="train_step_tokens_per_s", model="qwen3-0.6b", params=r["params"],
+
+    def train():
+        (r,) = spawn(train_step, 1, model, 4096, 8, 5, device="cuda")
+        emit(bench="gpu_figures", figure="train_step_tokens_per_s", model=name, params=r["params"],
              seq=4096, batch=8, value=round(r["tokens_per_s"]), mfu=round(r["flops_per_s"] / peak, 3),
              baseline="matmul peak", peak_tflops=round(peak / 1e12, 1))
-    if "logprob_memory" in args.only:
-        (r,) = spawn(logprob_memory, 1, args.context, device="cuda")
+
+    def memory():
+        (r,) = spawn(logprob_memory, 1, model, args.context, device="cuda")
         emit(bench="gpu_figures", figure="logprob_peak_memory_mb", context=args.context,
              value=round(r["peak_extra_bytes"] / 2**20), baseline=round(r["full_logits_bytes"] / 2**20),
              ratio=round(r["peak_extra_bytes"] / r["full_logits_bytes"], 3), seconds=round(r["seconds"], 2))
-    if "offload" in args.only:
-        (r,) = spawn(offload_figures, 1, device="cuda")
+
+    def offload():
+        (r,) = spawn(offload_figures, 1, model, device="cuda")
         emit(bench="gpu_figures", figure="offload_freed_mb", value=round(r["freed_bytes"] / 2**20),
              baseline=round(r["state_bytes"] / 2**20), ratio=round(r["freed_bytes"] / r["state_bytes"], 3))
         emit(bench="gpu_figures", figure="offload_seconds", offload=round(r["offload_s"], 3),
              reload=round(r["reload_s"], 3), first_offload=round(r["first_offload_s"], 3),
              gb_per_s=round(r["copied_bytes"] / 2**30 / r["offload_s"], 1))
-    if "ipc_handover" in args.only:
+
+    def ipc():
         r = ipc_handover(1024, 5)
         gb = r["bytes"] / 2**30
         emit(bench="gpu_figures", figure="ipc_handover_gb_per_s", value=round(gb / r["handover_s"], 1),
              baseline=round(gb / r["local_copy_s"], 1), ratio=round(r["local_copy_s"] / r["handover_s"], 3),
              receiver_copy_gb_per_s=round(gb / r["receiver_copy_s"], 1))
-    if "rl" in args.only:
-        (ours,) = spawn(rl_ours, 1, 256, 3, device="cuda")
-        (theirs,) = spawn(rl_transformers, 1, 256, 3, device="cuda")
+
+    def rl():
+        (ours,) = spawn(rl_ours, 1, model, 256, 3, device="cuda")
+        (theirs,) = spawn(rl_transformers, 1, model, 256, 3, device="cuda")
         for phase in ("logprob", "update"):
-            emit(bench="gpu_figures", figure=f"rl_{phase}_seconds", model="qwen3-0.6b", sequences=256,
+            emit(bench="gpu_figures", figure=f"rl_{phase}_seconds", model=name, sequences=256,
                  tokens=ours["tokens"], value=round(ours[f"{phase}_s"], 3),
                  baseline="transformers, length-sorted micro-batches of 8", baseline_s=round(theirs[f"{phase}_s"], 3),
                  speedup=round(theirs[f"{phase}_s"] / ours[f"{phase}_s"], 2))
+
+    figures = {"matmul": matmul, "train_step": train, "logprob_memory": memory, "offload": offload,
+               "ipc_handover": ipc, "rl": rl}
+    failed = 0
+    for figure in args.only:
+        start = time.perf_counter()
+        try:
+            figures[figure]()
+        except Exception as error:  # noqa: BLE001 - the next figure still runs; the exit status says one failed
+            failed += 1
+            emit(bench="gpu_figures", figure=figure, error=f"{type(error).__name__}: {str(error)[-400:]}",
+                 traceback_tail=traceback.format_exc().splitlines()[-8:])
+        print(f"# {figure}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
