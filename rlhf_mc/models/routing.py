@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
+
+from rlhf_mc.runtime.distributed import host_all_reduce
 
 
 def _routers(chunk: torch.nn.Module) -> list:
@@ -72,10 +73,8 @@ class Routing:
         with sequence parallelism the TP ranks saw different tokens)."""
         from megatron.core import parallel_state as ps
 
-        counts = torch.tensor([self.matches, self.choices], dtype=torch.float64)
         groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True)]
         if sequence_parallel:
             groups.append(ps.get_tensor_model_parallel_group())
-        for group in groups:
-            dist.all_reduce(counts, group=group)
+        counts = host_all_reduce(torch.tensor([self.matches, self.choices], dtype=torch.float64), *groups)
         return float(counts[0] / counts[1].clamp(min=1))

@@ -3,8 +3,9 @@
 logits: [..., vocab / tp] on each TP rank (Megatron's parallel_output); targets: [...] global token ids.
 Temperature is applied exactly as the rollout engine does: log_softmax(logits / temperature) (see
 rollout/base.py); temperature 0 means greedy there, and the raw logits here (temperature 1).
-Work is chunked over tokens (`chunk_tokens`) so the fp32 softmax buffers stay bounded; with gradients each chunk is
-recomputed in backward (activation checkpointing) instead of keeping its buffers.
+Work is chunked over tokens (`chunk_tokens`) so the fp32 softmax buffers stay bounded (bf16 logits are upcast and
+divided by the temperature a chunk at a time); with gradients each chunk is recomputed in backward (activation
+checkpointing) instead of keeping its buffers.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return _AllReduce.apply(x, group, op)
 
 
-def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, with_entropy: bool):
+def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, with_entropy: bool,
+           temperature: float):
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     # The max only stabilizes the exponent; no gradient flows through it.
     local_max = logits.detach().max(dim=-1).values
     if group is not None and dist.get_world_size(group) > 1:
@@ -67,12 +71,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     vocab_start = tp_rank * logits.size(-1)
     flat_logits = logits.reshape(-1, logits.size(-1))
     flat_targets = targets.reshape(-1)
-    if temperature != 1.0:
-        flat_logits = flat_logits / temperature
     outs = []
     for start in range(0, flat_targets.numel(), chunk_tokens):
         args = (flat_logits[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], vocab_start,
-                tp_group, with_entropy)
+                tp_group, with_entropy, temperature)
         if torch.is_grad_enabled() and flat_logits.requires_grad:
             outs.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:

@@ -64,6 +64,15 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def host_all_reduce(values: torch.Tensor, *groups) -> torch.Tensor:
+    """`values` (a small host tensor: counts, metric sums) summed over each group in turn, back on the host. It
+    travels through this process's device: NCCL reduces no CPU tensor."""
+    out = values.to(device())
+    for group in groups:
+        dist.all_reduce(out, group=group)
+    return out.cpu()
+
+
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -20,6 +20,7 @@ from rlhf_mc.config import PolicyLossConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.models.routing import Routing
 from rlhf_mc.optim import TrainState
+from rlhf_mc.runtime.distributed import host_all_reduce
 
 
 def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int, norm_length: int
@@ -48,8 +49,8 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     lengths = batch.sampled_tokens().tolist()
-    totals = torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64)
-    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    totals = host_all_reduce(torch.tensor([sum(lengths), len(lengths)], dtype=torch.float64),
+                             ps.get_data_parallel_group())
     weights = _token_weights(lengths, aggregation, int(totals[0]), int(totals[1]), norm_length)
     # per token, the fields inside the loss mask, and the weight of each trained token (whole-batch tensor ops: the
     # loop over sequences they replace was ~5 of the 11 ms this function took a step at 256 sequences)
@@ -121,10 +122,9 @@ def _router_losses(num_microbatches: int, num_layers: int) -> dict:
     if not values:
         return {}
     names = sorted(values)
-    totals = torch.stack([values[name].sum() for name in names]).double().cpu()
     # Each stage recorded its own layers; the TP ranks of a stage recorded the same values.
-    dist.all_reduce(totals, group=ps.get_pipeline_model_parallel_group())
-    dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    totals = host_all_reduce(torch.stack([values[name].sum() for name in names]).double(),
+                             ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group())
     totals /= num_microbatches * num_layers * ps.get_data_parallel_world_size()
     clear()
     return {f"router/{name}": value for name, value in zip(names, totals.tolist())}
@@ -220,7 +220,7 @@ def critic_train_step(state: TrainState, batch: Trajectories, clip: float = 0.2,
     def loss_fn(mb, output):
         w = mb["weight"]
         mask = w > 0
-        loss, stats = core.value_loss(output[..., 0], mb["old_values"], mb["returns"], mask, clip,
+        loss, stats = core.value_loss(output[..., 0].float(), mb["old_values"], mb["returns"], mask, clip,
                                       aggregation="seq-mean-token-sum", token_weights=w)
         return loss, {"value_loss": loss.detach(), "tokens": mask.sum().detach().float(),
                       "clip_fraction": stats["value_clip_fraction"] * mask.sum()}
@@ -266,8 +266,8 @@ def _reduce_reports(reports: list[dict], dp_group) -> dict:
     if not reports:
         return {}
     keys = sorted(reports[0])
-    totals = torch.stack([sum(r[k].float().cpu() for r in reports) for k in keys]).double()
-    dist.all_reduce(totals, group=dp_group)
+    totals = host_all_reduce(torch.stack([sum(r[k].float().cpu() for r in reports) for k in keys]).double(),
+                             dp_group)
     out = dict(zip(keys, totals.tolist()))
     tokens = max(out.pop("tokens"), 1.0)
     for key in ("clip_fraction", "dual_clip_fraction", "approx_kl", "rollout_logprob_diff", "token_entropy", "kl_ref",
