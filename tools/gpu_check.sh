@@ -38,15 +38,20 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import json, torch, megatron.core as m; print(json.dumps({'check': 'env', 'torch': torch.__version__,
 'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name(), 'gpus': torch.cuda.device_count(),
 'megatron_core': m.__version__}))"
+# The whole pytest log goes to $OUT (the device tool brings it back) or build/: a failure's traceback must not be
+# lost to a tail (2026-12-04: one was).
+LOG=${OUT:-build}/gpu_tests.log
+mkdir -p "$(dirname "$LOG")"
 status=0
-timeout 360 "$PY" bench/gpu_figures.py || status=$?
-RLHF_MC_GPU_TESTS=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rs 2>&1 | tail -25 | tee build_gpu_tests.log
-tests=${PIPESTATUS[0]}
-"$PY" - <<'PY'
-import json, re
-text = open("build_gpu_tests.log").read()
+timeout 290 "$PY" bench/gpu_figures.py || status=$?
+RLHF_MC_GPU_TESTS=1 timeout 270 "$PY" -m pytest -q -p no:cacheprovider tests/gpu -rfEs --tb=short --durations=10 \
+  > "$LOG" 2>&1
+tests=$?
+tail -40 "$LOG"
+"$PY" - "$LOG" <<'PY'
+import json, re, sys
+text = open(sys.argv[1]).read()
 counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)}
-print(json.dumps({"check": "tests/gpu", **counts}))
+print(json.dumps({"check": "tests/gpu", **counts, "log": sys.argv[1]}))
 PY
-rm -f build_gpu_tests.log
 exit $(( status || tests ))
