@@ -3,7 +3,7 @@
 logits: [..., vocab / tp] on each TP rank (Megatron's parallel_output); targets: [...] global token ids.
 Temperature is applied exactly as the rollout engine does: log_softmax(logits / temperature) (see
 rollout/base.py); temperature 0 means greedy there, and the raw logits here (temperature 1).
-Work is chunked over tokens (`chunk_tokens`) so the fp32 softmax buffers stay bounded (bf16 logits are upcast and
+Work is chunked over tokens so the fp32 softmax buffers stay bounded (bf16 logits are upcast and
 divided by the temperature a chunk at a time); with gradients each chunk is recomputed in backward (activation
 checkpointing) instead of keeping its buffers.
 """
@@ -61,12 +61,19 @@ def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
     return logprobs, log_z - expected
 
 
+# fp32 elements of one chunk's buffers (logits, shifted, exp: each 1 GB): 1766 tokens of a 152k vocabulary, every
+# token of a small one at once
+CHUNK_ELEMENTS = 2**28
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, temperature: float = 1.0,
-                            with_entropy: bool = False, chunk_tokens: int = 4096,
+                            with_entropy: bool = False, chunk_tokens: int | None = None,
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(target), entropy or None), each shaped like `targets`, in fp32."""
+    """(log p(target), entropy or None), each shaped like `targets`, in fp32. `chunk_tokens`: tokens a chunk, by
+    default as many as CHUNK_ELEMENTS allows."""
     if temperature <= 0:
         temperature = 1.0
+    chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // logits.size(-1))
     tp_rank = dist.get_rank(tp_group) if tp_group is not None and dist.is_initialized() else 0
     vocab_start = tp_rank * logits.size(-1)
     flat_logits = logits.reshape(-1, logits.size(-1))
