@@ -1,5 +1,5 @@
 """Shared by the bench scripts: JSON-line output, peak memory of a piece of work (child processes included), this
-machine's fp32 matmul FLOP/s and a Llama-shaped model's matmul parameters."""
+machine's fp32 matmul FLOP/s, a Llama-shaped model's matmul parameters and transformers' model of a ModelConfig."""
 
 from __future__ import annotations
 
@@ -90,6 +90,18 @@ def matmul_peak(dtype: str = "float32") -> float:
     emit(figure=f"{dtype} matmul FLOP/s (1024^3, this machine)", value=round(max(here, rank) / 1e9, 1), unit="GFLOP/s",
          threads=torch.get_num_threads(), plain_torch=round(here / 1e9, 1), rlhf_mc_rank=round(rank / 1e9, 1))
     return max(here, rank)
+
+
+def transformers_model(model, dtype: str = "bfloat16"):
+    """transformers' causal LM of the shape of our ModelConfig `model`, randomly initialized (SDPA attention), on
+    torch's current default device."""
+    import transformers as T
+
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+
+    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(model, dtype).items()
+                                       if k != "architectures"})
+    return T.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation="sdpa")
 
 
 def llama_matmul_params(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int, vocab: int

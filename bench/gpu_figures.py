@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit  # noqa: E402
+from bench.common import emit, transformers_model  # noqa: E402
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
@@ -170,16 +170,9 @@ def rl_ours(model: ModelConfig, sequences: int, repeats: int) -> dict:
 def rl_transformers(model_config: ModelConfig, sequences: int, repeats: int, micro_batch: int = 8) -> dict:
     """The same with transformers: length-sorted padded micro-batches, log_softmax + gather; the update adds the
     clipped-ratio loss of the responses, backward and AdamW."""
-    import transformers as T
-
-    from rlhf_mc.bridge.hf_config import hf_config_from_model
-
-    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(model_config, "bfloat16").items()
-                                       if k != "architectures"})
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialized there: a 0.6B random init on the host takes long
-        model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers_model(model_config)
     batch = _rl_batch(model_config, sequences)
     rows = sorted(zip(batch.rows(), batch.rows(batch.fields["advantages"])), key=lambda r: -len(r[0]))
     groups = [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, in_child  # noqa: E402
+from bench.common import emit, in_child, transformers_model  # noqa: E402
 from rlhf_mc.config import ModelConfig, ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
@@ -54,13 +54,7 @@ def ours(tokens: int) -> tuple[float, float]:
 
 
 def transformers_log_softmax(tokens: int) -> tuple[float, float]:
-    import transformers as T
-
-    from rlhf_mc.bridge.hf_config import hf_config_from_model
-
-    config = T.AutoConfig.for_model(**{k: v for k, v in hf_config_from_model(MODEL, "bfloat16").items()
-                                       if k != "architectures"})
-    model = T.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = transformers_model(MODEL).eval()
 
     def pass_over(seq):
         with torch.no_grad():

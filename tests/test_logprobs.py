@@ -119,7 +119,7 @@ def _bf16_packed_and_padded(ckpt: str) -> tuple[list[dict], list[dict]]:
 
 
 def test_bf16_log_prob_matches_padded_bf16_model(reference):
-    ckpt, expected = reference
+    ckpt, _ = reference
     ((packed, padded),) = spawn(_bf16_packed_and_padded, 1, ckpt)
     for got, want in zip(packed, padded):  # measured: <= 1.3e-3 where a pack holds several sequences, else 5e-7
         assert (got["logprobs"][1:] - want["logprobs"]).abs().max().item() < 4e-3

@@ -21,8 +21,9 @@ def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn
     """Runs every micro-batch; returns what `loss_fn` reported for each (on the last pipeline stage; [] elsewhere).
 
     `loss_fn(microbatch, output) -> (loss, report)`: output is the model's output for the micro-batch (logits
-    [b, s, vocab/tp] in the model's dtype, or per-token fp32 loss [b, s] when labels are given). Megatron's schedule scales `loss` by
-    cp_size / num_microbatches before backward; DDP then averages over the data-parallel x context-parallel group.
+    [b, s, vocab/tp] in the model's dtype, or per-token fp32 loss [b, s] when labels are given). Megatron's schedule
+    scales `loss` by cp_size / num_microbatches before backward; DDP then averages over the data-parallel x
+    context-parallel group.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

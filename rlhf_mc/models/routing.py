@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from rlhf_mc.runtime.distributed import host_all_reduce
+from rlhf_mc.runtime import host_all_reduce
 
 
 def _routers(chunk: torch.nn.Module) -> list:

@@ -20,7 +20,7 @@ from rlhf_mc.config import PolicyLossConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.models.routing import Routing
 from rlhf_mc.optim import TrainState
-from rlhf_mc.runtime.distributed import host_all_reduce
+from rlhf_mc.runtime import host_all_reduce
 
 
 def _token_weights(lengths: list[int], aggregation: str, total_tokens: int, total_seqs: int, norm_length: int
