@@ -1,9 +1,10 @@
 """Weight sync seconds and bytes/s from a TP=2 (--tp) actor into an SGLang engine (colocated tensor transport) for a
 ~125M-parameter Llama-style model, vs a plain in-process copy of the same bytes (the baseline, same process), and
 rank 0's peak extra memory vs the largest bucket (a tensor larger than the bucket size is a bucket of its own).
-Two transports, interleaved sync by sync: what "tensor" is on one CPU host (SharedStaging: every rank writes its
-shards into one shared staging) and the per-device one it replaced there (ColocatedTensors: gathered over TP, HF
-layout, staging copy; GPU's). Prints JSON lines.
+Two transports, one's syncs after the other's, as a run makes them (the engine keeps a transport's staging mapped
+from one sync to the next): what "tensor" is on one CPU host (SharedStaging: every rank writes its shards into one
+shared staging) and the per-device one it replaced there (ColocatedTensors: gathered over TP, HF layout, staging
+copy; GPU's). Medians of --repeats, the copy's of 5. Prints JSON lines.
 
     .venv/bin/python bench/weight_sync.py [--buckets-mb 16 64 256] [--repeats 3] [--tp 2]
 """
@@ -49,8 +50,8 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp:
         syncs = {name: WeightSync(chunks, model, transport, bucket_bytes=mb * 2**20)
                  for name, transport in transports.items()}
         runs = {name: [] for name in syncs}
-        for _ in range(repeats):
-            for name, sync in syncs.items():
+        for name, sync in syncs.items():  # one transport's syncs in a row, as a run makes them
+            for _ in range(repeats):
                 version += 1
                 runs[name].append(sync.sync(chunks, version))
         if rank0:
@@ -60,10 +61,13 @@ def actor(model_dir: str, address: str, buckets_mb: list[int], repeats: int, tp:
             targets = [torch.empty_like(s) for s in sources]
             for s, t in zip(sources, targets):  # first touch of the targets' pages, not timed
                 t.copy_(s)
-            start = time.perf_counter()
-            for s, t in zip(sources, targets):
-                t.copy_(s)
-            copy_s = time.perf_counter() - start
+            copies = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for s, t in zip(sources, targets):
+                    t.copy_(s)
+                copies.append(time.perf_counter() - start)
+            copy_s = statistics.median(copies)
             for name, done in runs.items():
                 rows.append({"transport": name, "bucket_mb": mb,
                              "largest_bucket_mb": plan.largest_bucket_bytes / 2**20, "bytes": done[0].bytes,

@@ -17,6 +17,7 @@ import os
 import pickletools
 import re
 
+import psutil
 import pytest
 import torch
 
@@ -54,8 +55,6 @@ def payload_producer(serialized: str) -> int:
 def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str,
            parallel: ParallelConfig) -> dict | None:
     """`engines`: (address, the trainer ranks on its devices) each."""
-    import psutil
-
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
     from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
     from rlhf_mc.bridge.weights import export_hf_weights, load_hf_weights
@@ -187,7 +186,6 @@ def _sync_once(model_dir: str, address: str, kill_pid: int | None = None) -> dic
     the engine's log-probs and its own."""
     import time
 
-    import psutil
     import requests
 
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
@@ -251,6 +249,12 @@ def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model,
         buckets = results[0]["steps"][0]["stats"].buckets
         assert results[0]["received"] == [(0, [results[0]["pid"]] * engine_tp)] * (buckets * (STEPS + REPEATS))
         assert len(results[0]["files"]) == 1 and not any(r["received"] for r in results[1:])
+        # Every engine TP rank keeps the staging mapped from one load to the next (cpu_site/sitecustomize.py).
+        (staging,) = results[0]["files"]
+        schedulers = [p for p in psutil.Process(engine.servers[0].proc.pid).children(recursive=True)
+                      if p.name().startswith("sglang::scheduler")]
+        assert len(schedulers) == engine_tp
+        assert all(any(staging.decode() in m.path for m in p.memory_maps()) for p in schedulers)
 
 
 def test_sync_from_an_expert_parallel_actor(tmp_path):

@@ -11,7 +11,8 @@
   installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
   but got: cpu"); pointing SGLANG_NCCL_SO_PATH at no library makes SGLang skip it (its gloo group does the work).
 - Colocated weight updates: the sender shares tensors through files, not file descriptors
-  (torch.multiprocessing's default fd passing makes the server fail to rebuild them and die).
+  (torch.multiprocessing's default fd passing makes the server fail to rebuild them and die). A payload whose buffer
+  carries every bucket (a staging, marked KEEP_MAPPED) stays mapped in the server (cpu_site/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from rlhf_mc.runtime import host
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+KEEP_MAPPED = "rlhf_mc_keep_mapped"  # a weight payload's key: its buffer is a staging reused for every bucket
 
 
 def on_cpu() -> bool:

@@ -140,25 +140,28 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], staging: torch
     return flat, metadata
 
 
-def serialize_flat(flat: torch.Tensor, metadata: list) -> str:
+def serialize_flat(flat: torch.Tensor, metadata: list, staging: bool = False) -> str:
     """The /update_weights_from_tensor payload of a flattened bucket, by reference: a CUDA IPC handle named by
-    device UUID on GPU, a shared-memory file on CPU."""
+    device UUID on GPU, a shared-memory file on CPU. `staging`: `flat` lies in a buffer that carries every bucket
+    (shared_staging); on CPU the payload says so (KEEP_MAPPED), and the server keeps it mapped after the load."""
     from sglang.srt.utils import MultiprocessingSerializer
 
+    payload = {"flattened_tensor": flat, "metadata": metadata}
     if cpu.on_cpu():
         cpu.prepare_tensor_sender()
+        payload[cpu.KEEP_MAPPED] = staging
     else:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
-    return MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata}, output_str=True)
+    return MultiprocessingSerializer.serialize(payload, output_str=True)
 
 
 def tensor_payload(named_tensors: list[tuple[str, torch.Tensor]], staging: torch.Tensor | None = None
                    ) -> TensorPayload:
     """A bucket flattened (flatten_bucket, into `staging` if given) and serialized by reference (serialize_flat)."""
     flat, metadata = flatten_bucket(named_tensors, staging)
-    return TensorPayload(serialize_flat(flat, metadata), flat)
+    return TensorPayload(serialize_flat(flat, metadata, staging is not None), flat)
 
 
 def shared_staging(nbytes: int) -> torch.Tensor:

@@ -92,7 +92,8 @@ class SharedStaging:
                 metadata, nbytes = layouts[b]
                 # One serialization per receiving rank: each takes back the reference count its serialization added.
                 each(lambda e: self.client.load_tensor_payloads(
-                    e, [serialize_flat(self.staging[:nbytes], metadata) for _ in range(self.client.engine_tp[e])]))
+                    e, [serialize_flat(self.staging[:nbytes], metadata, staging=True)
+                        for _ in range(self.client.engine_tp[e])]))
                 dist.barrier()  # every engine has loaded it: the staging may take the next bucket
         finally:
             torch.set_num_threads(threads)
