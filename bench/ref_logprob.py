@@ -5,17 +5,20 @@ micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded
 and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU, MKL's AVX-512 kernels,
 runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
 measured for time and peak RSS; ours after a warm-up pass over a few sequences, timed apart (on CPU the first large
-forward compiles the element-wise kernels, once a process). Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's
-matmul FLOP/s in --dtype (the forward's matmuls: 2 x matmul parameters per token, and causal attention,
+forward compiles the element-wise kernels, once a process). Ours and the length-sorted batches: the median of
+--repeats passes in their process (single passes spread by ~20% run to run on a shared VM), the other two one pass.
+Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's matmul FLOP/s in --dtype (the
+forward's matmuls: 2 x matmul parameters per token, and causal attention,
 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
 over those FLOPs at the peak: the most any system could beat it by on this machine.
 
-    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32]
+    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32 --repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -60,10 +63,10 @@ def forward_flops(seqs: list[torch.Tensor]) -> float:
     return 2 * matmul_params * tokens + layers * 4 * heads * d * pairs
 
 
-def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> tuple[float, float]:
-    """Seconds of the pass over the workload, after a warm-up pass over its first WARMUP sequences (the seconds of
-    that, the second value: on CPU it compiles the element-wise kernels, models/cpu_kernels.py, once a process as a
-    training run does, where the reference's pass runs every step)."""
+def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str, repeats: int) -> tuple[list[float], float]:
+    """Seconds of each of `repeats` passes over the workload, after a warm-up pass over its first WARMUP sequences
+    (the seconds of that, the second value: on CPU it compiles the element-wise kernels, models/cpu_kernels.py, once
+    a process as a training run does, where the reference's pass runs every step)."""
     from rlhf_mc.bridge.convert import checkpoint_model_config
     from rlhf_mc.bridge.weights import load_hf_weights
     from rlhf_mc.models.gpt import build_model
@@ -78,13 +81,13 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str) -> tuple[f
     reference = HostReference(chunks)
     seqs = workload(n)
     times = []
-    for part in (seqs[:WARMUP], seqs):
+    for part in [seqs[:WARMUP]] + [seqs] * repeats:
         batch = Trajectories.single_turn(part, [PROMPT] * len(part))
         start = time.perf_counter()
         with reference.swapped_in(chunks):
             compute_log_prob(chunks, batch, micro_batch_tokens=micro_batch_tokens)
         times.append(time.perf_counter() - start)
-    return times[1], times[0]
+    return times[1:], times[0]
 
 
 def hf_loop(model_dir: str, n: int, dtype: str) -> float:
@@ -121,16 +124,19 @@ def hf_padded(model_dir: str, n: int, dtype: str) -> float:
     return time.perf_counter() - start
 
 
-def hf_sorted_batches(model_dir: str, n: int, dtype: str, batch: int = 8) -> float:
+def hf_sorted_batches(model_dir: str, n: int, dtype: str, repeats: int, batch: int = 8) -> list[float]:
     import transformers as T
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = sorted(workload(n), key=len, reverse=True)
-    start = time.perf_counter()
-    with torch.no_grad():
-        for first in range(0, n, batch):
-            padded_logprobs(model, seqs[first:first + batch])
-    return time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.no_grad():
+            for first in range(0, n, batch):
+                padded_logprobs(model, seqs[first:first + batch])
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -139,6 +145,7 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="every system's weights")
+    parser.add_argument("--repeats", type=int, default=3, help="passes of ours and of the sorted batches (median)")
     args = parser.parse_args()
     n = args.sequences
     seqs = workload(n)
@@ -150,31 +157,33 @@ def main() -> None:
         write_model(Path(model_dir))
         runs = {}
         with peak_memory() as m:
-            ((seconds, warmup),) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype)
-        runs["rlhf_mc_ref_swap_packed"] = (seconds, m["peak_process_mb"])
+            ((passes, warmup),) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype, args.repeats)
+        runs["rlhf_mc_ref_swap_packed"] = (passes, m["peak_process_mb"])
         emit(bench="ref_logprob", figure="ours: warm-up pass (compiles on CPU)", sequences=WARMUP,
              value=round(warmup, 2), unit="s")
         with peak_memory() as m:
-            seconds = in_child(hf_loop, model_dir, n, args.dtype)
-        runs["transformers_per_sequence_loop"] = (seconds, m["peak_process_mb"])
+            passes = [in_child(hf_loop, model_dir, n, args.dtype)]
+        runs["transformers_per_sequence_loop"] = (passes, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_padded, model_dir, n, args.dtype)
-        runs["transformers_one_padded_batch"] = (seconds, m["peak_process_mb"])
+            passes = [in_child(hf_padded, model_dir, n, args.dtype)]
+        runs["transformers_one_padded_batch"] = (passes, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_sorted_batches, model_dir, n, args.dtype)
-        runs["transformers_length_sorted_batches_of_8"] = (seconds, m["peak_process_mb"])
+            passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats)
+        runs["transformers_length_sorted_batches_of_8"] = (passes, m["peak_process_mb"])
         with peak_memory() as m:
-            seconds = in_child(hf_sorted_batches, model_dir, n, args.dtype, as_rank=True)
-        runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (seconds, m["peak_process_mb"])
-    ours_s, ours_mb = runs["rlhf_mc_ref_swap_packed"]
-    for system, (seconds, mb) in runs.items():
+            passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats, as_rank=True)
+        runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (passes, m["peak_process_mb"])
+    ours_s, ours_mb = statistics.median(runs["rlhf_mc_ref_swap_packed"][0]), runs["rlhf_mc_ref_swap_packed"][1]
+    for system, (passes, mb) in runs.items():
+        seconds = statistics.median(passes)
         emit(bench="ref_logprob", system=system, dtype=args.dtype, sequences=n, tokens=all_tokens,
-             response_tokens=response_tokens, seconds=round(seconds, 2), tokens_per_s=round(all_tokens / seconds, 1),
+             response_tokens=response_tokens, seconds=round(seconds, 2), passes=[round(p, 2) for p in passes],
+             tokens_per_s=round(all_tokens / seconds, 1),
              peak_process_mb=round(mb, 1),
              rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
              mfu=round(flops / seconds / peak, 3))
     emit(bench="ref_logprob", figure="ratio_at_peak", gflop=round(flops / 1e9, 1),
-         value=round(runs["transformers_length_sorted_batches_of_8"][0] / (flops / peak), 2))
+         value=round(statistics.median(runs["transformers_length_sorted_batches_of_8"][0]) / (flops / peak), 2))
 
 
 if __name__ == "__main__":
