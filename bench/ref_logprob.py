@@ -173,7 +173,8 @@ def main() -> None:
         with peak_memory() as m:
             passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats, as_rank=True)
         runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (passes, m["peak_process_mb"])
-    ours_s, ours_mb = statistics.median(runs["rlhf_mc_ref_swap_packed"][0]), runs["rlhf_mc_ref_swap_packed"][1]
+    ours_passes, ours_mb = runs["rlhf_mc_ref_swap_packed"]
+    ours_s = statistics.median(ours_passes)
     for system, (passes, mb) in runs.items():
         seconds = statistics.median(passes)
         emit(bench="ref_logprob", system=system, dtype=args.dtype, sequences=n, tokens=all_tokens,

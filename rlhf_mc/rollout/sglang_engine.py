@@ -149,7 +149,8 @@ def serialize_flat(flat: torch.Tensor, metadata: list, staging: bool = False) ->
     payload = {"flattened_tensor": flat, "metadata": metadata}
     if cpu.on_cpu():
         cpu.prepare_tensor_sender()
-        payload[cpu.KEEP_MAPPED] = staging
+        if staging:
+            payload[cpu.KEEP_MAPPED] = True
     else:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
