@@ -457,6 +457,10 @@ class PolicyLossConfig:
             raise ConfigError(f"clip_low, clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
 
 
+# RolloutConfig's fields that only go into the command line of a server launched here
+LAUNCH_SETTINGS = ("dtype", "chunked_prefill_size", "max_total_tokens", "mem_fraction_static", "base_port", "extra_args")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """SGLang rollout engines: launched as child processes, or attached to running servers by address."""
@@ -492,6 +496,10 @@ class RolloutConfig:
             host, _, port = address.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"addresses: {address!r} is not host:port")
+        for name in LAUNCH_SETTINGS if self.addresses else ():
+            if getattr(self, name) != getattr(RolloutConfig, name):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is what a server launched here starts with; the "
+                                  "servers attached by addresses keep their own: leave it out")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError(f"context_length: must be >= 2, got {self.context_length}")
 

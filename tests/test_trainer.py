@@ -298,6 +298,8 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
         addresses = ",".join(url.removeprefix("http://") for url in engines.urls)
         _finish(_start(attached, ["recipes/quickstart.yaml", f"model.path={out / 'final_hf'}", "sft.data_path=",
                                   f"rollout.engine.addresses=[{addresses}]", "rollout.engine.num_engines=2",
+                                  # the servers above were launched so; attached, the recipe's launch flags are refused
+                                  "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
                                   *common]), attached)
         check(attached)
         for url in engines.urls:  # each server holds the run's last weights
