@@ -457,8 +457,10 @@ class PolicyLossConfig:
             raise ConfigError(f"clip_low, clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
 
 
-# RolloutConfig's fields that only go into the command line of a server launched here
-LAUNCH_SETTINGS = ("dtype", "chunked_prefill_size", "max_total_tokens", "mem_fraction_static", "base_port", "extra_args")
+# RolloutConfig's fields read only to launch a server here (its command line, its start-up wait): an attached server's
+# TP size is read from the server itself
+LAUNCH_SETTINGS = ("tp", "dtype", "chunked_prefill_size", "max_total_tokens", "mem_fraction_static", "base_port",
+                   "extra_args", "startup_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)

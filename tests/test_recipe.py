@@ -124,6 +124,8 @@ BAD = [
      "rollout.sync_transport: tensor needs engines the trainer launches on its own devices"),
     (["rollout.engine.addresses=[127.0.0.1:1]"],
      "rollout.engine.dtype: 'float32' is what a server launched here starts with; the servers attached by addresses"),
+    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
+      "rollout.engine.tp=2"], "rollout.engine.tp: 2 is what a server launched here starts with"),
     (["rollout.engine.model_path=/x"], "rollout.engine.model_path: set by the trainer"),
     (["rollout.engine.host=0.0.0.0"], "rollout.engine.host: '0.0.0.0': set by the trainer (127.0.0.1 on one node"),
     (["rollout.temperature=0.0", "rollout.engine.tpp=2"], "rollout.engine.tpp: unknown key"),
