@@ -58,6 +58,17 @@ def test_real_scale_plans():
     assert dapo.engines == [(2 * e, 2) for e in range(8)] and dapo.placement[9]["node"] == 1
 
 
+@pytest.mark.parametrize("cuda", [False, True])
+def test_colocated_engines_release_their_memory_on_gpus_only(cuda):
+    """Colocated engines give their memory back while the trainer works on GPUs (SGLang's memory saver); on CPU a
+    release frees nothing, and the plan says the engines keep it."""
+    recipe = load_recipe(QUICKSTART)
+    plan = make_plan(recipe, model_config(recipe), cuda=cuda)
+    assert plan.colocated and plan.engines_release_memory is cuda
+    said = "colocated: engines release their memory while the trainer works"
+    assert any(said in line for line in plan.lines()) is cuda
+
+
 @pytest.mark.parametrize("tp, dp, per_rank", [(2, 3, 240), (1, 6, 120)])
 def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
     """DESIGN.md: 60 prompts x 12 samples = 720 sequences; 6 devices at TP=2 -> DP=3 -> 240 per rank per

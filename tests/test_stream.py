@@ -113,7 +113,8 @@ def test_a_restarted_engine_waits_for_the_update_and_gets_the_updated_weights_ve
             pass
 
     actor = Actor()
-    schedule = ColocationSchedule(Cluster(), actor, actor_offload=False, offloaded=[], colocated=False)
+    schedule = ColocationSchedule(Cluster(), actor, actor_offload=False, offloaded=[], colocated=False,
+                                  release_engines=False)
     schedule.before_rollout(0, Timer())
     restored = threading.Thread(target=schedule.restore_engine, args=(1,))
     with schedule.actor_in_use():  # the update of step 0

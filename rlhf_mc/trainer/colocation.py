@@ -6,7 +6,8 @@ Colocated order (slime's, with verl's split of the engine's resume), from the en
   cache -> rollout -> release the engines' memory -> reload what was offloaded.
 So the training state and the engines' memory are never on a device together: the sync meets the engines' weights
 with the actor's weights only, the rollout meets the KV cache with nothing of the trainer's. Disaggregated placement
-(or attached engines): only the sync.
+(or attached engines): only the sync. Colocated on CPU, where an engine's release frees nothing (Plan.
+engines_release_memory), the engines keep their memory and only what the recipe offloads moves.
 
 Engine failures: a sync that fails on an engine restarts that engine and syncs it again; an engine restarted since
 the last sync, or during a rollout, is given the actor's current weights before it serves (restore_engine),
@@ -26,17 +27,18 @@ from rlhf_mc.trainer.placement import Cluster, WorkerGroup
 
 class ColocationSchedule:
     def __init__(self, cluster: Cluster, actor: WorkerGroup, actor_offload: bool, offloaded: list[WorkerGroup],
-                 colocated: bool):
-        """`offloaded`: the other groups (critic, separate reference) whose whole state leaves the devices."""
+                 colocated: bool, release_engines: bool):
+        """`offloaded`: the other groups (critic, separate reference) whose whole state leaves the devices.
+        `release_engines`: the engines release their memory (colocated on GPUs)."""
         self.cluster, self.actor, self.actor_offload = cluster, actor, actor_offload and colocated
         self.offloaded = offloaded if colocated else []
-        self.colocated = colocated
+        self.colocated, self.release_engines = colocated, release_engines
         self.actor_version = None  # the version of the weights the actor holds
         self._actor = threading.RLock()  # held by whoever calls the actor (trainer/loop.py, restore_engine)
 
     def engines_launched(self) -> None:
         """Right after the engines start: they give their memory back until the first sync wants it."""
-        if self.colocated:
+        if self.release_engines:
             self.cluster.engines_call("release_memory")
 
     def actor_in_use(self) -> threading.RLock:
@@ -55,6 +57,7 @@ class ColocationSchedule:
                     self.actor.offload("optimizer")
                 for group in self.offloaded:
                     group.offload("all")
+        if self.release_engines:
             self.cluster.engines_call("resume_memory", WEIGHTS_TAGS)
         with timer("sync"):
             metrics = self._sync(version)
@@ -62,12 +65,14 @@ class ColocationSchedule:
             if self.actor_offload:
                 with timer("offload"):
                     self.actor.offload("weights")
+        if self.release_engines:
             self.cluster.engines_call("resume_memory", KV_CACHE_TAGS)
         return metrics
 
     def after_rollout(self, timer: Timer) -> None:
-        if self.colocated:
+        if self.release_engines:
             self.cluster.engines_call("release_memory")
+        if self.colocated:
             with timer("reload"):
                 if self.actor_offload:
                     self.actor.reload()

@@ -203,7 +203,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                                           recompute=recipe.critic.recompute, router=recipe.critic.router)
         offloaded = [group for group, on in ((critic, recipe.critic.offload), (reference, recipe.ref.offload))
                      if group is not None and group is not actor and on]
-        schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated)
+        schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated,
+                                      plan.engines_release_memory)
         schedule.engines_launched()
         actor.load_hf(str(init_hf))
         if recipe.uses_reference:
