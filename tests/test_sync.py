@@ -74,11 +74,11 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     files: set[bytes] = set()
     load = SGLangEngine.load_tensor_payloads
 
-    def recording(self, engine, payloads):
+    def recording(self, engine, payloads, *labels, **named_labels):
         received.append((addresses.index(self.urls[engine].removeprefix("http://")),
                          [payload_producer(p) for p in payloads]))
         files.update(*(shared_files(p) for p in payloads))
-        return load(self, engine, payloads)
+        return load(self, engine, payloads, *labels, **named_labels)
 
     SGLangEngine.load_tensor_payloads = recording
     init_parallel(parallel, seed=3)

@@ -4,9 +4,12 @@ updates through SGLang's APIs.
 
 Weight updates: "tensor" payloads are flattened buckets (SGLang's `flattened_bucket` load format: one tensor, one
 handle per bucket), serialized once per engine TP rank, as SGLang's own sender does (each rank opens only its own
-payload; on GPU with SGLang's device-UUID reduction, so a rank with another CUDA_VISIBLE_DEVICES can open it). While
-an update is under way the engine's weight version reads INCONSISTENT_VERSION; the new version is set once the last
-bucket has loaded, so a half-updated engine never claims a version.
+payload; on GPU with SGLang's device-UUID reduction, so a rank with another CUDA_VISIBLE_DEVICES can open it). Each
+bucket's load labels the engine's weights (SGLang records the label with the load, and only if it succeeded): the
+buckets before the last INCONSISTENT_VERSION, the last one the new version, which also flushes the prefix cache the
+old weights made. So a half-updated engine never claims a version (a load that fails records nothing, and its engine
+is restarted before it serves again), and an update takes no calls beyond pause, begin, one load per bucket, end and
+resume (~2 ms each on CPU).
 
 Failure handling:
 - a request that fails because its server died restarts that server (up to rollout.max_restarts) and is retried;
@@ -30,7 +33,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import dataclasses
 
@@ -396,29 +399,32 @@ class SGLangEngine:
         self.versions = [version] * len(self.urls)
 
     def begin_weight_update(self, engine: int) -> None:
-        """Opens a weight-update session on one engine; its version reads INCONSISTENT_VERSION until
-        end_weight_update."""
+        """Opens a weight-update session on one engine; its loads label it (_bucket_labels), end_weight_update
+        closes it. Until then its version reads INCONSISTENT_VERSION here."""
         self._call(engine, "POST", "/begin_weight_update", {})
-        self._set_version(engine, INCONSISTENT_VERSION)
+        self.versions[engine] = INCONSISTENT_VERSION
 
-    def load_tensor_payloads(self, engine: int, payloads: list[str]) -> None:
-        """One bucket into one engine: `payloads[i]` (tensor_payload(...).serialized) is what its TP rank i opens."""
+    @staticmethod
+    def _bucket_labels(version: int, last: bool) -> dict:
+        """What a bucket's load records with it (module docstring): the last bucket labels the engine `version` and
+        flushes the old weights' prefix cache, the others label it INCONSISTENT_VERSION."""
+        return {"weight_version": str(version if last else INCONSISTENT_VERSION), "flush_cache": last}
+
+    def load_tensor_payloads(self, engine: int, payloads: list[str], version: int, last: bool) -> None:
+        """One bucket into one engine: `payloads[i]` (tensor_payload(...).serialized) is what its TP rank i opens;
+        `last`: the update's last bucket, which labels the engine `version`."""
         if len(payloads) != self.engine_tp[engine]:
             raise ValueError(f"engine {engine} has {self.engine_tp[engine]} TP ranks, got {len(payloads)} payloads")
         self._call(engine, "POST", "/update_weights_from_tensor",
-                   {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False})
+                   {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                    **self._bucket_labels(version, last)})
 
     def end_weight_update(self, engine: int, version: int) -> None:
+        """Closes the session; the engine holds `version`, which its last bucket labelled it with."""
         self._call(engine, "POST", "/end_weight_update", {})
-        self._set_version(engine, version)
-        self._call(engine, "POST", "/flush_cache", None)
-
-    def _set_version(self, engine: int, version: int) -> None:
-        self._call(engine, "POST", "/update_weight_version",
-                   {"new_version": str(version), "abort_all_requests": False})
         self.versions[engine] = version
 
-    def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
+    def update_weights_from_tensors(self, buckets: Sequence[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """In-process sender: HF-named tensors of this process handed to every engine by reference (CUDA IPC on GPU,
         shared files on CPU), bucket by bucket, one payload per engine TP rank. One bucket is alive at a time. (The
         trainer's colocated sync sends each engine rank's payload from the trainer rank on its device instead:
@@ -428,10 +434,11 @@ class SGLangEngine:
         def send() -> None:
             for engine in engines:
                 self.begin_weight_update(engine)
-            for bucket in buckets:
+            for b, bucket in enumerate(buckets):
                 for engine in engines:
                     payloads = [tensor_payload(bucket) for _ in range(self.engine_tp[engine])]
-                    self.load_tensor_payloads(engine, [p.serialized for p in payloads])
+                    self.load_tensor_payloads(engine, [p.serialized for p in payloads], version,
+                                              last=b == len(buckets) - 1)
             for engine in engines:
                 self.end_weight_update(engine, version)
 
@@ -460,9 +467,11 @@ class SGLangEngine:
         return group
 
     def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                        broadcast: Callable[[torch.Tensor], None], version: int) -> None:
+                                        broadcast: Callable[[torch.Tensor], None], version: int,
+                                        num_buckets: int) -> None:
         """Every engine receives each bucket as one flattened tensor (the `flattened_bucket` load format) while
-        `broadcast(flat)` sends it from rank 0 of the weight group (connect_weight_group)."""
+        `broadcast(flat)` sends it from rank 0 of the weight group (connect_weight_group). `buckets` may be a
+        stream (one bucket alive at a time): `num_buckets` says which is the last."""
         if self._weight_group is None:
             raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first")
         engines = range(len(self.urls))
@@ -470,12 +479,12 @@ class SGLangEngine:
         def send() -> None:
             for engine in engines:
                 self.begin_weight_update(engine)
-            for bucket in buckets:
+            for b, bucket in enumerate(buckets):
                 flat, metadata = flatten_bucket(bucket)
                 payload = {"names": [m.name for m in metadata],
                            "dtypes": [str(m.dtype).removeprefix("torch.") for m in metadata],
                            "shapes": [list(m.shape) for m in metadata], "group_name": self._weight_group,
-                           "load_format": "flattened_bucket", "flush_cache": False}
+                           "load_format": "flattened_bucket", **self._bucket_labels(version, b == num_buckets - 1)}
                 calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
                                                                      payload))
                          for engine in engines]

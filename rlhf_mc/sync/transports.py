@@ -93,7 +93,7 @@ class SharedStaging:
                 # One serialization per receiving rank: each takes back the reference count its serialization added.
                 each(lambda e: self.client.load_tensor_payloads(
                     e, [serialize_flat(self.staging[:nbytes], metadata, staging=True)
-                        for _ in range(self.client.engine_tp[e])]))
+                        for _ in range(self.client.engine_tp[e])], version, last=b == len(layouts) - 1))
                 dist.barrier()  # every engine has loaded it: the staging may take the next bucket
         finally:
             torch.set_num_threads(threads)
@@ -145,12 +145,13 @@ class ColocatedTensors:
             return None
         error = self._call(lambda: (self.client.pause(), self.client.begin_weight_update(0)))
         members = self.engine_ranks[self.engine]
-        for bucket in buckets:
+        for b, bucket in enumerate(buckets):
             payload = tensor_payload(bucket, self._staging(bucket))
             gathered = [None] * len(members) if self.leader else None
             dist.gather_object(payload.serialized, gathered, dst=members[0], group=self.group)
             if error is None:
-                error = self._call(lambda: self.client.load_tensor_payloads(0, gathered))
+                error = self._call(lambda: self.client.load_tensor_payloads(0, gathered, version,
+                                                                            last=b == len(plan.buckets) - 1))
             dist.barrier(group=self.group)  # every payload stays alive until its engine has loaded it
             del payload
         if error is None:
@@ -198,7 +199,7 @@ class _FromRankZero:
         everyone = list(range(len(self.addresses)))
         try:
             self.client.pause()
-            self._send(buckets, version)
+            self._send(buckets, len(plan.buckets), version)
             self.client.resume()
         except Exception as e:  # noqa: BLE001 - reported to the driver, which restarts the engines
             _drain(buckets)
@@ -206,7 +207,7 @@ class _FromRankZero:
                                    for engine in everyone})
         return SendResult(everyone, {})
 
-    def _send(self, buckets: Buckets, version: int) -> None:
+    def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
         raise NotImplementedError
 
 
@@ -227,9 +228,9 @@ class Broadcast(_FromRankZero):
             self.group = self.client.connect_weight_group(self.master_address, free_port(), backend=backend,
                                                           group_name=f"rlhf_mc_weights_{self.groups_formed}")
 
-    def _send(self, buckets: Buckets, version: int) -> None:
+    def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
         self.client.update_weights_from_distributed(
-            buckets, lambda flat: dist.broadcast(flat, src=0, group=self.group), version)
+            buckets, lambda flat: dist.broadcast(flat, src=0, group=self.group), version, num_buckets)
 
 
 class Disk(_FromRankZero):
@@ -239,7 +240,7 @@ class Disk(_FromRankZero):
         super().__init__(addresses)
         self.config_from = Path(config_from)
 
-    def _send(self, buckets: Buckets, version: int) -> None:
+    def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
         from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="rlhf_mc_sync_") as tmp:
