@@ -41,7 +41,8 @@ class Plan:
     def engines_release_memory(self) -> bool:
         """Colocated engines give their memory back while the trainer works: on GPUs (SGLang's memory saver). On CPU
         their weights and KV cache stay in host memory, which the memory saver does not manage: a release there
-        frees nothing and costs a cache flush and four engine calls a step (~15-30 ms at the quickstart's size)."""
+        frees nothing and costs a cache flush, four engine calls and three Ray round trips a step (~30 ms at the
+        quickstart's size)."""
         return self.colocated and self.device == "cuda"
 
     def lines(self) -> list[str]:
