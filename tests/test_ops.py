@@ -51,6 +51,12 @@ def test_single_process_matches_log_softmax():
         assert (x.grad - ref_grad).abs().max() < 1e-5
     logp, entropy = vocab_parallel_logprobs(logits, targets)
     assert entropy is None and logp.shape == targets.shape
+    # bf16 logits (a bf16 model's output) are upcast before the softmax: the same as on their fp32 values
+    half = logits.bfloat16()
+    ref_logp, ref_entropy, _ = _reference(half.float(), targets, 1.0)
+    logp, entropy = vocab_parallel_logprobs(half, targets, None, with_entropy=True)
+    assert logp.dtype == torch.float32 and (logp - ref_logp).abs().max() < 1e-5
+    assert (entropy - ref_entropy).abs().max() < 1e-5
 
 
 def test_tp2_matches_full_vocabulary():

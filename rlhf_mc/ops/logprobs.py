@@ -38,6 +38,8 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, with_entropy: bool,
            temperature: float):
+    if group is None or dist.get_world_size(group) == 1:
+        return _whole_vocabulary_chunk(logits, targets, with_entropy, temperature)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -59,6 +61,17 @@ def _chunk(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
     # H = log Z - sum_v p_v * shifted_v
     expected = _all_reduce((exp * shifted).sum(dim=-1), group) / sum_exp
     return logprobs, log_z - expected
+
+
+def _whole_vocabulary_chunk(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float):
+    """_chunk where this rank holds the whole vocabulary: torch's fused log_softmax (upcasting inside the kernel)
+    in place of the five passes the sharded vocabulary needs; ~3x faster at 8192 tokens x 1024 (4.2 vs 11.8 ms, 11
+    vs 32 ms with the backward, bf16 logits on 2 cores)."""
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits.float() / temperature, -1, dtype=torch.float32)
+    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logprobs, torch.zeros_like(logprobs)
+    return logprobs, -(logp.exp() * logp).sum(-1)
 
 
 # fp32 elements of one chunk's buffers (logits, shifted, exp: each 1 GB): 1766 tokens of a 152k vocabulary, every
