@@ -79,7 +79,7 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str, repeats: i
     chunks = build_model(model, ParallelConfig(), dtype=dtype, init_weights=False)
     load_hf_weights(chunks, model_dir, model)
     reference = HostReference(chunks)
-    seqs = workload(n)
+    seqs = [s.tolist() for s in workload(n)]  # token lists, as a rollout returns them
     times = []
     for part in [seqs[:WARMUP]] + [seqs] * repeats:
         batch = Trajectories.single_turn(part, [PROMPT] * len(part))
