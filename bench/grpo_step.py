@@ -7,7 +7,11 @@ step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL
 matmul at the peak (the most any system could gain over TRL on these cores).
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 6] [--warmup 1]
-                              [--dtype float32]
+                              [--dtype float32] [--rounds 1]
+
+With --rounds R each configuration runs ours then TRL R times in turn and reports the medians, the ratio being the
+median of the rounds' ratios (each round's two systems minutes apart): on a shared VM whose speed drifts by 10-30%
+from minute to minute, one round's ratio moves with the drift.
 
 Both start from the same random-init HF checkpoint (the time of a step hardly depends on the weights) and every
 response runs to the limit in both (ours: rollout.ignore_eos; TRL: min_new_tokens), so both do the same work. Ours
@@ -118,9 +122,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="both systems': ours trains and rolls out in it, TRL autocasts to bf16 (its default)")
     parser.add_argument("--trl-as-rank", action="store_true", help="also run TRL started as our CPU ranks are")
+    parser.add_argument("--rounds", type=int, default=1, help="ours and TRL in turn this many times (medians)")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:  # ours leaves out its last step too (the final checkpoint is saved in it)
         parser.error(f"--steps {args.steps}: at least --warmup + 2 = {args.warmup + 2}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -132,8 +139,13 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 model_yaml = Path(tmp) / "model.yaml"
                 params = write_model_config(model_yaml, size)
-                phases, model_dir = ours(Path(tmp) / "ours", model_yaml, length, args.steps, args.warmup,
-                                         args.dtype)
+                rounds = []  # (our phases, TRL's step seconds and mean completion length) per round
+                for r in range(args.rounds):
+                    phases, model_dir = ours(Path(tmp) / f"ours{r}", model_yaml, length, args.steps, args.warmup,
+                                             args.dtype)
+                    rounds.append((phases, *(in_child(trl_step, model_dir, length, args.steps, args.warmup,
+                                                      args.dtype) if trl else (None, None))))
+                phases = {k: statistics.median(p[k] for p, _, _ in rounds) for k in rounds[0][0]}
                 config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), response_length=length,
                               response_length_mean=round(phases["response/length_mean"], 1))
                 # tokens through the model per step: prompts and responses, every sample
@@ -146,14 +158,17 @@ def main() -> None:
                         emit(figure=f"ours {key}", **config, value=round(seconds, 4), unit="s", mfu=mfu)
                 if trl is None:
                     continue
-                step, trl_length = in_child(trl_step, model_dir, length, args.steps, args.warmup, args.dtype)
+                step, trl_length = statistics.median(s for _, s, _ in rounds), rounds[0][2]
                 ours_step = phases["timing/step_s"]
+                ratios = [s / p["timing/step_s"] for p, s, _ in rounds]
                 # both do one generation (2 x params x token) and one forward + backward (6 x) per token: the step's
                 # fraction of the machine's matmul peak, and the ratio the peak itself allows over TRL
                 step_flops = 8 * params * tokens
                 emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
                      baseline="trl GRPOTrainer (transformers generate)", baseline_s=round(step, 3),
-                     baseline_response_length=trl_length, ratio_baseline_over_ours=round(step / ours_step, 2),
+                     baseline_response_length=trl_length, ratio_baseline_over_ours=round(statistics.median(ratios), 2),
+                     rounds=[{"ours_s": round(p["timing/step_s"], 3), "baseline_s": round(s, 3), "ratio": round(r, 2)}
+                             for (p, s, _), r in zip(rounds, ratios)],
                      ours_step_mfu=round(step_flops / ours_step / peak, 3),
                      baseline_step_mfu=round(step_flops / step / peak, 3),
                      ratio_at_peak=round(step / (step_flops / peak), 2))
