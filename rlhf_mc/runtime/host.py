@@ -5,9 +5,12 @@ glibc returns a freed block of 32 MB or more (an 8k-token micro-batch's MLP acti
 heap over 128 KB to the kernel at once, so the next micro-batch faults every page in again. Measured with getrusage
 on bench/ref_logprob.py's workload (300 sequences, 8192-token micro-batches): 2.9-3.8M minor faults and 8-10 s of
 system time with glibc's defaults, 0.6-0.7M and 2-2.6 s with a 32 MB mmap threshold (user time unchanged). 32 MB is
-the largest threshold glibc takes, and a block of exactly that size is still mmap'ed: an 8192 x 2048 bf16 MLP
-activation took 29 ms to produce against 23 ms at 8191 rows. So no block is mmap'ed at all (bench/ref_logprob.py:
-8.16 -> 7.7 s a pass).
+the largest threshold glibc takes: a block of that size or more is still mmap'ed and faulted in at every use (an
+8192 x 2048 bf16 MLP activation took 29 ms to produce against 23 ms at 8191 rows). Mmap'ing no block at all
+(M_MMAP_MAX 0) took bench/ref_logprob.py's pass from 8.16 to 7.7 s, but blocks of gigabytes then fragment the heap:
+bench/logprob_memory.py (one 8192-token sequence, a 152k vocabulary) peaked at 8.3-9.3 GB and took 9.4-13.2 s,
+against 4.3 GB and 6.2 s with the threshold. Large vocabularies are the common case, so blocks of 32 MB or more
+stay mmap'ed.
 
 torch's CPU matmuls are MKL's, and MKL picks its kernels by the CPU's vendor: on an AMD CPU it takes its generic code
 branch (`mkl_serv_cpu_detect()` 0) whatever the CPU has. On this project's 2-core AMD EPYC (AVX-512) a 1024^3 fp32
@@ -41,7 +44,7 @@ log = logging.getLogger(__name__)
 MALLOC = {
     -1: ("MALLOC_TRIM_THRESHOLD_", 256 << 20),  # M_TRIM_THRESHOLD: keep up to 256 MB free at the heap top
     -2: ("MALLOC_TOP_PAD_", 64 << 20),  # M_TOP_PAD: grow the heap 64 MB at a time
-    -4: ("MALLOC_MMAP_MAX_", 0),  # M_MMAP_MAX: no block is mmap'ed, whatever its size; all reuse the heap
+    -3: ("MALLOC_MMAP_THRESHOLD_", 32 << 20),  # M_MMAP_THRESHOLD: glibc's largest; blocks below it reuse the heap
 }
 
 
