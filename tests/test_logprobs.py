@@ -157,37 +157,16 @@ def test_reference_swap_is_exact_and_leaves_the_actor_bitwise_unchanged(referenc
         assert max((a[1:] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3
 
 
-LARGE_VOCAB = ModelConfig(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2,
-                          head_dim=16, ffn_hidden_size=128, vocab_size=151936, max_position_embeddings=8192,
-                          qk_norm=True, tie_embeddings=True)
-
-
-def _log_prob_peak_rss(tokens: int) -> int:
-    """Bytes the process's peak RSS grows by in one log-prob pass over a `tokens`-token sequence (after a short pass
-    that allocates the rest), in a rank as a run starts it (runtime/host.py's allocator settings)."""
-    import resource
-
-    from rlhf_mc.data.trajectory import Trajectories
-    from rlhf_mc.models.gpt import build_model
-    from rlhf_mc.runtime import init_parallel
-    from rlhf_mc.workers.policy import compute_log_prob
-
-    init_parallel(ParallelConfig(), seed=0)
-    chunks = build_model(LARGE_VOCAB, ParallelConfig(), dtype="bfloat16")
-    g = torch.Generator().manual_seed(0)
-    for n in (64, tokens):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        sequence = torch.randint(0, LARGE_VOCAB.vocab_size, (n,), generator=g)
-        compute_log_prob(chunks, Trajectories.single_turn([sequence], [1]), micro_batch_tokens=tokens)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-
 
 def test_log_prob_pass_at_a_large_vocabulary_peaks_below_the_full_fp32_logits():
-    """The bf16 logits plus one chunk's fp32 buffers at a time (ops/logprobs.py): measured 1.35x the sequence's full
-    fp32 logits at 4096 tokens (a chunk's buffers are a gigabyte each; 0.93x at 8192, bench/logprob_memory.py).
+    """bench/logprob_memory.py's pass (Qwen3's 151936-token vocabulary, in a rank, so runtime/host.py's allocator
+    settings apply), at 4096 tokens: the bf16 logits plus one chunk's fp32 buffers at a time (ops/logprobs.py),
+    measured 1.35x the sequence's full fp32 logits (a chunk's buffers are a gigabyte each; 0.93x at 8192 tokens).
     Guards the allocator settings too: with no block mmap'ed, gigabyte blocks fragmented the heap and this pass peaked
     at 2.2x (runtime/host.py)."""
+    from bench.logprob_memory import MODEL as LARGE_VOCAB, ours
+
     tokens = 4096
-    (grown,) = spawn(_log_prob_peak_rss, 1, tokens)
+    ((grown, _),) = spawn(ours, 1, tokens)
     full_fp32_logits = tokens * LARGE_VOCAB.vocab_size * 4
     assert grown < 1.6 * full_fp32_logits, (grown / 2**30, full_fp32_logits / 2**30)
