@@ -458,9 +458,9 @@ class PolicyLossConfig:
 
 
 # RolloutConfig's fields read only to launch a server here (its command line, its start-up wait): an attached server's
-# TP size is read from the server itself
-LAUNCH_SETTINGS = ("tp", "dtype", "chunked_prefill_size", "max_total_tokens", "mem_fraction_static", "base_port",
-                   "extra_args", "startup_timeout_s")
+# TP size, context length and deterministic inference are read from the server itself
+LAUNCH_SETTINGS = ("tp", "dtype", "context_length", "chunked_prefill_size", "max_total_tokens", "mem_fraction_static",
+                   "deterministic", "base_port", "extra_args", "startup_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)

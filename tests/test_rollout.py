@@ -160,9 +160,17 @@ def test_server_keeps_idle_connections_open(sglang_engine):
 
 
 def test_seed_needs_a_deterministic_engine(sglang_engine):
-    with pytest.raises(ValueError, match="sampling.seed: SGLang honours per-sample seeds only with "
-                                         "rollout.deterministic=true"):
-        sglang_engine.generate(PROMPTS, SamplingParams(seed=1))
+    """Launched here or attached (whose flag is read from the server), a server started without
+    --enable-deterministic-inference refuses per-sample seeds."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    attached = SGLangEngine(RolloutConfig(addresses=(sglang_engine.urls[0].removeprefix("http://"),)))
+    assert not sglang_engine.deterministic and not attached.deterministic
+    for engine in (sglang_engine, attached):
+        with pytest.raises(ValueError, match="sampling.seed: SGLang honours per-sample seeds only on servers started "
+                                             "with --enable-deterministic-inference"):
+            engine.generate(PROMPTS, SamplingParams(seed=1))
 
 
 @pytest.fixture

@@ -291,16 +291,22 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
                 assert record["actor/grad_norm"] > 0
 
     check(out)
-    engines = SGLangEngine(RolloutConfig(model_path=str(out / "init_hf"), num_engines=2, dtype="float32"),
-                           log_dir=tmp_path / "attached_logs")
+    # a context of 16 tokens: 14 a sequence (SGLang keeps 2), the recipe's 8 + 6
+    engines = SGLangEngine(RolloutConfig(model_path=str(out / "init_hf"), num_engines=2, dtype="float32",
+                                         context_length=16), log_dir=tmp_path / "attached_logs")
     try:
         attached = tmp_path / "attached"
         addresses = ",".join(url.removeprefix("http://") for url in engines.urls)
-        _finish(_start(attached, ["recipes/quickstart.yaml", f"model.path={out / 'final_hf'}", "sft.data_path=",
-                                  f"rollout.engine.addresses=[{addresses}]", "rollout.engine.num_engines=2",
-                                  # the servers above were launched so; attached, the recipe's launch flags are refused
-                                  "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
-                                  *common]), attached)
+        args = ["recipes/quickstart.yaml", f"model.path={out / 'final_hf'}", "sft.data_path=",
+                f"rollout.engine.addresses=[{addresses}]", "rollout.engine.num_engines=2",
+                # the servers above were launched so; attached, the recipe's launch flags are refused
+                "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]", *common]
+        too_long = _start(tmp_path / "too_long", [*args, "data.max_response_length=7"])
+        assert too_long.wait(timeout=300) == 2
+        assert (f"error: rollout.engine.addresses: the server at {engines.urls[0].removeprefix('http://')} holds 14 "
+                "tokens a sequence, fewer than data.max_prompt_length + data.max_response_length = 15"
+                in (tmp_path / "too_long.log").read_text())
+        _finish(_start(attached, args), attached)
         check(attached)
         for url in engines.urls:  # each server holds the run's last weights
             (sample,) = SGLangEngine(RolloutConfig(addresses=(url.removeprefix("http://"),))).generate(

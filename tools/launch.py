@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics = train(recipe, plan, args.address, stop)
     except KeyboardInterrupt:
         metrics = {}
+    except ConfigError as e:  # what only the cluster tells: where Ray placed the ranks, attached servers' limits
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if received:
         print(f"stopped by {signal.Signals(received[0]).name}; every process the run started is gone; relaunch to "
               "continue from its last checkpoint", file=sys.stderr)

@@ -219,6 +219,7 @@ class SGLangEngine:
             # shorter than max_req_input_len = max_req_len - 5, and a response ends at max_req_len - 1 tokens in all.
             infos = [self._call(e, "GET", "/get_server_info", None, timeout=30) for e in range(len(self.urls))]
             self.engine_tp = [info["tp_size"] for info in infos]  # attached servers may differ from cfg.tp
+            self.deterministic = all(info["enable_deterministic_inference"] for info in infos)
             max_input = min(info["max_req_input_len"] for info in infos)
             self.max_prompt_length = max_input - 1
             self.max_sequence_length = max_input + 4  # prompt + response
@@ -311,9 +312,10 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, sessions: list[int] | None = None,
                  max_new_tokens: list[int] | None = None) -> list[RolloutSample]:
-        if sampling.seed is not None and not self.cfg.deterministic:
-            raise ValueError("sampling.seed: SGLang honours per-sample seeds only with rollout.deterministic=true "
-                             "(--enable-deterministic-inference, GPU attention backends)")
+        if sampling.seed is not None and not self.deterministic:
+            raise ValueError("sampling.seed: SGLang honours per-sample seeds only on servers started with "
+                             "--enable-deterministic-inference (rollout.engine.deterministic=true; GPU attention "
+                             "backends)")
         params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                   "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": sampling.ignore_eos,
                   "skip_special_tokens": False}

@@ -248,6 +248,10 @@ class EngineWorker:
     def address(self) -> str:
         return self.engine.urls[0].removeprefix("http://")
 
+    def max_sequence_length(self) -> int:
+        """Prompt + response tokens the server holds (its context length)."""
+        return self.engine.max_sequence_length
+
     def _on_restart(self, engine: int) -> None:
         """Runs after a restart. During a rollout the retried requests wait here until the driver has synced the
         current weights into the engine (weights_restored); otherwise the next rollout restores it first."""
@@ -363,6 +367,13 @@ class Cluster:
                 dataclasses.replace(cfg, addresses=(address,), num_engines=1), str(log_dir / f"engine{e}"), None,
                 cfg.host)
                 for e, address in enumerate(cfg.addresses)]
+            # the plan checked the context of the servers it launches; an attached one has its own
+            longest = self.plan.max_sequence_tokens
+            for address, tokens in zip(cfg.addresses, ray.get([e.max_sequence_length.remote() for e in self.engines])):
+                if tokens < longest:
+                    raise ConfigError(f"rollout.engine.addresses: the server at {address} holds {tokens} tokens a "
+                                      f"sequence, fewer than data.max_prompt_length + data.max_response_length = "
+                                      f"{longest}")
             return ray.get([engine.address.remote() for engine in self.engines])
         spans_nodes = len(set(self.slot_nodes)) > 1
         for e, (first, n) in enumerate(self.plan.engines):
