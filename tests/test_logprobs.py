@@ -157,7 +157,6 @@ def test_reference_swap_is_exact_and_leaves_the_actor_bitwise_unchanged(referenc
         assert max((a[1:] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3
 
 
-
 def test_log_prob_pass_at_a_large_vocabulary_peaks_below_the_full_fp32_logits():
     """bench/logprob_memory.py's pass (Qwen3's 151936-token vocabulary, in a rank, so runtime/host.py's allocator
     settings apply), at 4096 tokens: the bf16 logits plus one chunk's fp32 buffers at a time (ops/logprobs.py),
