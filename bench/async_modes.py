@@ -32,7 +32,7 @@ def run(mode: str, out: Path, args) -> dict:
                  f"data.max_response_length={args.response_length}", f"data.train_batch_size={args.prompts}",
                  f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.prompts}", "trainer.save_interval=0",
                  "trainer.loggers=[jsonl]", "rollout.placement=disaggregated", "resources.devices_per_node=2",
-                 f"rollout.mode={mode}", "trainer.export_hf=false"]
+                 "rollout.engine.num_engines=1", f"rollout.mode={mode}", "trainer.export_hf=false"]
     overrides += [f"rollout.max_staleness={args.max_staleness}"] if mode == "async" else []
     result = subprocess.run([sys.executable, "tools/launch.py", "recipes/quickstart.yaml", *overrides], cwd=REPO,
                             capture_output=True, text=True)

@@ -2,9 +2,11 @@
 repeated n times) vs transformers' generate, same model and batch, in one invocation, for the model sizes of
 bench/grpo_step.py (with a 2048-token vocabulary). Every response runs to --new-tokens in all three. generate runs in a plain process of its
 own and in one started as our CPU ranks and servers are (on an AMD CPU, MKL's AVX-512 kernels, runtime/host.py): how
-much of the ratio is the kernels and how much the rest. Prints JSON lines with the ratios.
+much of the ratio is the kernels and how much the rest. With --engines N our engine runs N data-parallel servers
+sharing the cores (as the quickstart's two on a 2-core machine), and the raw baseline sends each server its share of
+the prompts at once. Prints JSON lines with the ratios.
 
-    .venv/bin/python bench/rollout_throughput.py [--sizes 6m 50m --prompts 32 --n 8 --new-tokens 64]
+    .venv/bin/python bench/rollout_throughput.py [--sizes 6m 50m --prompts 32 --n 8 --new-tokens 64 --engines 1]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -61,6 +64,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--engines", type=int, default=1)
     args = parser.parse_args()
     for size in args.sizes:
         measure(size, args)
@@ -69,10 +73,12 @@ def main() -> None:
 def measure(size: str, args) -> None:
     prompts = torch.randint(0, 2048, (args.prompts, args.prompt_len), generator=torch.Generator().manual_seed(1))
     prompts = prompts.tolist()
-    common = dict(bench="rollout_throughput", size=size, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens)
+    common = dict(bench="rollout_throughput", size=size, prompts=args.prompts, n=args.n, new_tokens=args.new_tokens,
+                  engines=args.engines)
     with tempfile.TemporaryDirectory() as tmp:
         params = write_model(Path(tmp) / "model", size)
-        engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32"))
+        engine = SGLangEngine(RolloutConfig(model_path=str(Path(tmp) / "model"), dtype="float32",
+                                            num_engines=args.engines))
         try:
             sampling = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
             engine.generate(prompts[:2], sampling)  # warm-up
@@ -84,12 +90,18 @@ def measure(size: str, args) -> None:
 
             # SGLang's fastest form: each prompt repeated n times (with n > 1 it first caches each prompt in a
             # request of its own and waits for those; its tokenizer manager advises duplicating the prompts)
-            payload = {"input_ids": [p for p in prompts for _ in range(args.n)], "return_logprob": True,
-                       "sampling_params": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}}
+            def raw_generate(e: int) -> list[dict]:
+                share = prompts[e::args.engines]
+                payload = {"input_ids": [p for p in share for _ in range(args.n)], "return_logprob": True,
+                           "sampling_params": {"temperature": 1.0, "max_new_tokens": args.new_tokens,
+                                               "ignore_eos": True}}
+                return requests.post(engine.urls[e] + "/generate", json=payload, timeout=3600).json()
+
             engine.flush_cache()  # else its prefill finds every prompt cached by ours
-            start = time.perf_counter()
-            raw = requests.post(engine.urls[0] + "/generate", json=payload, timeout=3600).json()
-            raw_s = time.perf_counter() - start
+            with ThreadPoolExecutor(args.engines) as pool:
+                start = time.perf_counter()
+                raw = [o for out in pool.map(raw_generate, range(args.engines)) for o in out]
+                raw_s = time.perf_counter() - start
             raw_tokens = sum(len(o["output_ids"]) for o in raw)
         finally:
             engine.shutdown()

@@ -87,8 +87,8 @@ def test_plan_normalizes_batch_sizes(tp, dp, per_rank):
     (["algorithm.kl_in_reward_coef=0.01"], False),  # the reward needs the old log-probs before the advantages
     (["algorithm.skip_on_policy_old_logprobs=false"], False),
     # one step off: the samples come from the weights before the ones trained
-    (["rollout.mode=one_step_off", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False),
-    (["rollout.mode=async", "rollout.placement=disaggregated", "resources.devices_per_node=2"], False)])
+    (["rollout.mode=one_step_off", "rollout.placement=disaggregated", "resources.devices_per_node=3"], False),
+    (["rollout.mode=async", "rollout.placement=disaggregated", "resources.devices_per_node=3"], False)])
 def test_old_logprob_forward_is_skipped_only_on_policy(overrides, from_update):
     recipe = load_recipe(QUICKSTART, ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", *overrides])
     plan = make_plan(recipe, model_config(recipe), cuda=False)
@@ -107,6 +107,7 @@ def test_overrides_parse_yaml_values():
 
 TOOL_LOOP = ["rollout.function=rlhf_mc.rollout.multi_turn:tool_loop", "data.chat_template=true",
              "tools.functions=[rlhf_mc.tools.builtin:calculator]"]
+ATTACHED = "rollout.engine.addresses=[127.0.0.1:1,127.0.0.1:2]"  # an address for each of the quickstart's engines
 BAD = [
     (["actor.optim.lrr=1"], "actor.optim.lrr: unknown key"),
     (["actor.optim.lr=fast"], "actor.optim.lr: expected float, got str 'fast'"),
@@ -120,26 +121,27 @@ BAD = [
      "size 4"),
     (["actor.micro_batch_tokens=10"], "actor.micro_batch_tokens: 10 (x cp=1) cannot hold one sequence"),
     (["actor.parallel.tp=3", "resources.devices_per_node=3"], "tp: 3 does not divide model.num_attention_heads=4"),
-    (["actor.parallel.tp=2"], "parallel: world size 1 is not divisible by tp*pp*cp"),
+    (["actor.parallel.tp=2", "resources.devices_per_node=3"], "parallel: world size 3 is not divisible by tp*pp*cp"),
     (["rollout.engine.context_length=10"], "rollout.engine.context_length: 10 is shorter than"),
-    (["rollout.placement=disaggregated", "rollout.sync_transport=tensor", "resources.devices_per_node=2"],
+    (["rollout.placement=disaggregated", "rollout.sync_transport=tensor", "resources.devices_per_node=3"],
      "rollout.sync_transport: tensor needs rollout.placement=colocated"),
-    (["rollout.placement=disaggregated"], "rollout.placement: disaggregated, but num_engines*tp = 1 leaves no device"),
+    (["rollout.placement=disaggregated"],
+     "rollout.placement: disaggregated, but num_engines*tp = 2 leaves no device of the 2"),
     (["resources.nodes=2", "resources.devices_per_node=3", "actor.parallel.tp=2", "rollout.n=3"],
      "actor.parallel.tp: 2 does not divide resources.devices_per_node=3: a tensor-parallel group must lie on one node"),
     (["resources.nodes=2", "resources.devices_per_node=3", "rollout.engine.tp=2", "rollout.engine.num_engines=3",
       "rollout.n=3"],
      "rollout.engine.tp: engine 1 (tp=2) would span devices 2-3 on two nodes of resources.devices_per_node=3"),
-    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
+    ([ATTACHED, "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
       "rollout.sync_transport=tensor"],
      "rollout.sync_transport: tensor needs engines the trainer launches on its own devices"),
-    (["rollout.engine.addresses=[127.0.0.1:1]"],
+    ([ATTACHED],
      "rollout.engine.dtype: 'float32' is what a server launched here starts with; the servers attached by addresses"),
-    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
+    ([ATTACHED, "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
       "rollout.engine.tp=2"], "rollout.engine.tp: 2 is what a server launched here starts with"),
-    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
+    ([ATTACHED, "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
       "rollout.engine.context_length=32"], "rollout.engine.context_length: 32 is what a server launched here starts"),
-    (["rollout.engine.addresses=[127.0.0.1:1]", "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
+    ([ATTACHED, "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]",
       "rollout.engine.deterministic=true"], "rollout.engine.deterministic: True is what a server launched here"),
     (["rollout.engine.model_path=/x"], "rollout.engine.model_path: set by the trainer"),
     (["rollout.engine.host=0.0.0.0"], "rollout.engine.host: '0.0.0.0': set by the trainer (127.0.0.1 on one node"),

@@ -367,14 +367,22 @@ def test_server_children_outlive_the_starting_thread_and_die_with_the_process():
         time.sleep(0.1)
 
 
-def test_cpu_server_threads_are_the_cores_per_tp_rank_not_rays_one():
+def test_cpu_server_threads_are_its_device_slots_cores_not_rays_one():
     """A server started from a Ray actor inherits OMP_NUM_THREADS=1 (Ray's default): on CPU it would decode on one
-    core while the trainer ranks sit idle. Each of its TP ranks gets the machine's cores / TP instead."""
+    core while the trainer ranks sit idle. Each of its TP ranks gets the cores of one device slot instead, an equal
+    share of the machine's, and SGLang is told which (on an 8-core machine: slots of 4 cores when there are two, 2
+    when there are four, shared cores when the slots outnumber them)."""
     from rlhf_mc.rollout import cpu
 
     cores = os.cpu_count()
-    assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 1)["OMP_NUM_THREADS"] == str(cores)
-    assert cpu.server_env({"OMP_NUM_THREADS": "1"}, 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    env = cpu.server_env({"OMP_NUM_THREADS": "1"}, range(1), 1)
+    assert env["OMP_NUM_THREADS"] == str(cores)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == ("0" if cores == 1 else f"0-{cores - 1}")
+    assert cpu.server_env({"OMP_NUM_THREADS": "1"}, range(1, 2), 2)["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert cpu.thread_binding(range(1), 1, cores=8) == "0-7"
+    assert cpu.thread_binding(range(1, 2), 2, cores=8) == "4-7"  # the second of two engines
+    assert cpu.thread_binding(range(2, 4), 4, cores=8) == "4-5|6-7"  # the TP ranks of the second TP=2 engine
+    assert cpu.thread_binding(range(4), 4, cores=2) == "0|0|1|1"
 
 
 def test_cpu_server_gets_mkl_avx512_kernels_after_inherited_preloads():
@@ -386,6 +394,6 @@ def test_cpu_server_gets_mkl_avx512_kernels_after_inherited_preloads():
     lib = host.mkl_preload()
     if lib is None:
         pytest.skip("not an AMD CPU with MKL, or no C compiler")
-    assert cpu.server_env({}, 1)["LD_PRELOAD"] == lib
-    assert cpu.server_env({"LD_PRELOAD": "/x/a.so"}, 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
-    assert cpu.server_env({"LD_PRELOAD": f"/x/a.so {lib}"}, 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
+    assert cpu.server_env({}, range(1), 1)["LD_PRELOAD"] == lib
+    assert cpu.server_env({"LD_PRELOAD": "/x/a.so"}, range(1), 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
+    assert cpu.server_env({"LD_PRELOAD": f"/x/a.so {lib}"}, range(1), 1)["LD_PRELOAD"] == f"/x/a.so {lib}"

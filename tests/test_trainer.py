@@ -138,13 +138,12 @@ def _wait_for(proc: subprocess.Popen, out: Path, done, what: str, timeout_s: flo
 
 
 def _kill_server_mid_rollout(proc: subprocess.Popen, out: Path) -> None:
-    """Once step 1 is logged: slows the run's SGLang server down (SGLang's /slow_down: every batch sleeps, and its
-    log says so), waits until it is generating, and kills it."""
+    """Once step 1 is logged: slows the run's engine 0 down (SGLang's /slow_down: every batch sleeps, and its log
+    says so), waits until it is generating, and kills its server."""
     _wait_for(proc, out, lambda: (out / "metrics.jsonl").exists() and 1 in _metrics(out), "step 1")
-    (server,) = [p for p in _run_processes(out) if "sglang.launch_server" in " ".join(p.cmdline())]
-    cmd = server.cmdline()
-    port = cmd[cmd.index("--port") + 1]
-    log = next((out / "logs").rglob("sglang_engine*.log"))
+    log = out / "logs" / "engine0" / "sglang_engine0.log"
+    _, port = _server_args(log)
+    (server,) = [p for p in _run_processes(out) if "sglang.launch_server" in p.cmdline() and str(port) in p.cmdline()]
     seen = log.read_text(errors="replace").count("run_batch sleep")
     requests.post(f"http://127.0.0.1:{port}/slow_down", json={"forward_sleep_time": 0.3}, timeout=30)
     _wait_for(proc, out, lambda: log.read_text(errors="replace").count("run_batch sleep") > seen, "slowed batch")
@@ -266,6 +265,7 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
     sync (each engine's log-probs of its own samples equal the actor's; prompts are dealt to both). Then a run
     attached to two servers started here (rollout.engine.addresses; weights by broadcast) does the same."""
     from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout import cpu
     from rlhf_mc.rollout.base import SamplingParams
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
@@ -279,8 +279,11 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
     placement = json.loads((out / "placement.json").read_text())
     assert [row["roles"] for row in placement] == [["actor rank 0", "rollout engine 0 tp rank 0"],
                                                   ["actor rank 1", "rollout engine 1 tp rank 0"]]
-    servers = sorted(_server_args(log) for log in (out / "logs").rglob("sglang_engine*.log"))
-    assert servers == [("127.0.0.1", base), ("127.0.0.1", base + 1)]
+    logs = sorted((out / "logs").rglob("sglang_engine*.log"))
+    assert sorted(_server_args(log) for log in logs) == [("127.0.0.1", base), ("127.0.0.1", base + 1)]
+    # On CPU each engine decodes on its own device slot's cores, as SGLang reports them.
+    cores = sorted(re.search(r"local_omp_cpuid=(\S+)", log.read_text(errors="replace")).group(1) for log in logs)
+    assert cores == [cpu.thread_binding(range(e, e + 1), 2) for e in range(2)]
 
     def check(run: Path) -> None:
         steps = _metrics(run)
@@ -403,7 +406,7 @@ def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
     out = tmp_path / "off"
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
                          "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
-                         "rollout.mode=one_step_off", "rollout.placement=disaggregated",
+                         "rollout.mode=one_step_off", "rollout.engine.num_engines=1", "rollout.placement=disaggregated",
                          "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "reward/mean" in r}
@@ -423,7 +426,8 @@ def test_async_mode_trains_within_the_staleness_bound(tmp_path):
     out = tmp_path / "async"
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
                          "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
-                         "rollout.mode=async", "rollout.max_staleness=1", "rollout.placement=disaggregated",
+                         "rollout.mode=async", "rollout.engine.num_engines=1", "rollout.max_staleness=1",
+                         "rollout.placement=disaggregated",
                          "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "reward/mean" in r}

@@ -177,9 +177,12 @@ def shared_staging(nbytes: int) -> torch.Tensor:
 
 
 class SGLangEngine:
-    def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None, memory_saver: bool = False):
+    def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None, memory_saver: bool = False,
+                 first_slot: int = 0, slots_on_host: int | None = None):
         """`memory_saver`: launch with SGLang's memory saver (GPU), so release_memory frees device memory: for
-        engines that share their devices with the trainer."""
+        engines that share their devices with the trainer. On CPU the servers' TP ranks take device slots
+        `first_slot`, `first_slot` + 1, ... of the `slots_on_host` on this machine, each slot an equal share of its
+        cores (default: num_engines x tp slots, the machine to these servers alone)."""
         if not cfg.addresses and not cfg.model_path:
             raise ConfigError("rollout.model_path: required unless rollout.addresses attaches to running servers")
         self.cfg = cfg
@@ -192,7 +195,9 @@ class SGLangEngine:
         else:
             for i in range(cfg.num_engines):
                 port = cfg.base_port + i if cfg.base_port else free_port()
-                self.servers.append(ServerProcess(i, cfg, port, self.log_dir, memory_saver))
+                slots = range(first_slot + i * cfg.tp, first_slot + (i + 1) * cfg.tp)
+                self.servers.append(ServerProcess(i, cfg, port, self.log_dir, memory_saver, slots,
+                                                  slots_on_host or cfg.num_engines * cfg.tp))
             self.urls = [s.url for s in self.servers]
         self.versions = [LAUNCH_VERSION] * len(self.urls)  # weight version each engine holds
         self.released: list[set[str]] = [set() for _ in self.urls]  # memory tags each engine has released

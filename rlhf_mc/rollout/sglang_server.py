@@ -60,10 +60,13 @@ def start_child(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
 
 
 class ServerProcess:
-    def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path, memory_saver: bool = False):
+    def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path, memory_saver: bool, slots: range,
+                 slots_on_host: int):
         """`memory_saver`: SGLang's --enable-memory-saver, which makes release_memory_occupation free GPU memory
-        (torch_memory_saver, CUDA only; on CPU a release frees nothing and the flag is left out)."""
+        (torch_memory_saver, CUDA only; on CPU a release frees nothing and the flag is left out). On CPU the server's
+        TP ranks sit on device `slots` of the `slots_on_host` on this machine, each slot a share of its cores."""
         self.index, self.cfg, self.port, self.memory_saver = index, cfg, port, memory_saver
+        self.slots, self.slots_on_host = slots, slots_on_host
         self.url = f"http://{cfg.host}:{port}"
         self.log_path = log_dir / f"sglang_engine{index}.log"
         self.proc: subprocess.Popen | None = None
@@ -97,7 +100,7 @@ class ServerProcess:
         return cmd + list(cfg.extra_args)
 
     def start(self) -> None:
-        env = cpu.server_env(dict(os.environ), self.cfg.tp) if cpu.on_cpu() else dict(os.environ)
+        env = cpu.server_env(dict(os.environ), self.slots, self.slots_on_host) if cpu.on_cpu() else dict(os.environ)
         # SGLang's HTTP server drops a connection idle for 5 s; our client keeps its connections between rollouts
         # (training, checkpoints and validation take longer), and a request sent on a dropped one fails with
         # "Connection reset by peer" and is retried through a health check: measured 26 retries and 16 s of a 3 s

@@ -76,14 +76,18 @@ class SharedStaging:
         self._share(2 * half)
         targets = sorted(range(len(self.client.urls)) if engines is None else engines) if self.client else []
         failed: dict[int, str] = {}
+        # Each call goes to every engine at once: one after another, two CPU engines' syncs took ~0.07 s against
+        # one's ~0.035 s (five HTTP calls an engine).
+        fan_out = concurrent.futures.ThreadPoolExecutor(max(1, len(targets)), thread_name_prefix="weight-sync-engine")
 
         def each(call) -> None:
-            for e in targets:
-                if e not in failed:
-                    try:
-                        call(e)
-                    except Exception as error:  # noqa: BLE001 - reported to the driver, which restarts the engine
-                        failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
+            def one(e: int) -> None:
+                try:
+                    call(e)
+                except Exception as error:  # noqa: BLE001 - reported to the driver, which restarts the engine
+                    failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
+
+            list(fan_out.map(one, [e for e in targets if e not in failed]))
 
         layouts = [flat_layout(shapes) for shapes in plan.hf_shapes]  # (metadata, bytes) per bucket
         # Rank 0's calls to the engines, in order, beside the writes: the engines pause while the first bucket is
@@ -120,10 +124,11 @@ class SharedStaging:
                     posted.append(calls.submit(load, b))
             for done in posted:
                 done.result()
+            each(lambda e: (self.client.end_weight_update(e, version), self.client.resume([e])))
         finally:
             calls.shutdown()
+            fan_out.shutdown()
             torch.set_num_threads(threads)
-        each(lambda e: (self.client.end_weight_update(e, version), self.client.resume([e])))
         if self.client is None:
             return None
         return SendResult([e for e in targets if e not in failed], failed)

@@ -232,13 +232,14 @@ class EngineWorker:
     the driver can ask whether a restarted engine waits for weights while a generate call blocks on it."""
 
     def __init__(self, cfg: RolloutConfig, log_dir: str, visible_devices: str | None, host: str,
-                 colocated: bool = False):
+                 colocated: bool = False, first_slot: int = 0, slots_on_host: int = 1):
+        """`first_slot`: the engine's first device slot on its node of `slots_on_host` (its cores on CPU)."""
         from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         self.engine = SGLangEngine(dataclasses.replace(cfg, num_engines=1, host=host), log_dir=log_dir,
-                                   memory_saver=colocated)
+                                   memory_saver=colocated, first_slot=first_slot, slots_on_host=slots_on_host)
         self.engine.on_restart = self._on_restart
         self.stale = False  # restarted on its launch weights: needs the actor's before it serves again
         self._generating = 0
@@ -385,8 +386,10 @@ class Cluster:
             engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=self.slots[first])
+            per_node = self.recipe.resources.devices_per_node
             self.engines.append(remote(num_cpus=0.05, max_concurrency=calls, scheduling_strategy=strategy).remote(
-                engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated))
+                engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated, first % per_node,
+                per_node))
         return ray.get([engine.address.remote() for engine in self.engines])
 
     def engine_ranks(self) -> list[list[int]] | None:
