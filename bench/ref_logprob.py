@@ -12,7 +12,8 @@ forward's matmuls: 2 x matmul parameters per token, and causal attention,
 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
 over those FLOPs at the peak: the most any system could beat it by on this machine.
 
-    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32 --repeats 3]
+    .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32 --repeats 3
+                                          --dp 1]
 """
 
 from __future__ import annotations
@@ -66,9 +67,13 @@ def forward_flops(seqs: list[torch.Tensor]) -> float:
 def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str, repeats: int) -> tuple[list[float], float]:
     """Seconds of each of `repeats` passes over the workload, after a warm-up pass over its first WARMUP sequences
     (the seconds of that, the second value: on CPU it compiles the element-wise kernels, models/cpu_kernels.py, once
-    a process as a training run does, where the reference's pass runs every step)."""
+    a process as a training run does, where the reference's pass runs every step). Every rank of the spawned world
+    takes its data-parallel share of the sequences, as the trainer deals them; a pass ends when the last rank's does."""
+    import torch.distributed as dist
+
     from rlhf_mc.bridge.convert import checkpoint_model_config
     from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.data.microbatch import balance_across_ranks
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.data.trajectory import Trajectories
@@ -80,12 +85,16 @@ def ours(model_dir: str, n: int, micro_batch_tokens: int, dtype: str, repeats: i
     load_hf_weights(chunks, model_dir, model)
     reference = HostReference(chunks)
     seqs = [s.tolist() for s in workload(n)]  # token lists, as a rollout returns them
+    rank, world = dist.get_rank(), dist.get_world_size()
     times = []
     for part in [seqs[:WARMUP]] + [seqs] * repeats:
-        batch = Trajectories.single_turn(part, [PROMPT] * len(part))
+        share = [part[i] for i in balance_across_ranks([len(s) for s in part], world)[rank]]
+        batch = Trajectories.single_turn(share, [PROMPT] * len(share))
+        dist.barrier()
         start = time.perf_counter()
         with reference.swapped_in(chunks):
             compute_log_prob(chunks, batch, micro_batch_tokens=micro_batch_tokens)
+        dist.barrier()
         times.append(time.perf_counter() - start)
     return times[1:], times[0]
 
@@ -146,8 +155,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="every system's weights")
     parser.add_argument("--repeats", type=int, default=3, help="passes of ours and of the sorted batches (median)")
+    parser.add_argument("--dp", type=int, default=1,
+                        help="our data-parallel ranks, the cores split among them (the quickstart's layout: 2)")
     args = parser.parse_args()
-    n = args.sequences
+    n = args.sequences - args.sequences % args.dp  # an equal count a rank
     seqs = workload(n)
     response_tokens = sum(len(s) - PROMPT for s in seqs)
     all_tokens = sum(len(s) for s in seqs)
@@ -157,7 +168,8 @@ def main() -> None:
         write_model(Path(model_dir))
         runs = {}
         with peak_memory() as m:
-            ((passes, warmup),) = spawn(ours, 1, model_dir, n, args.micro_batch_tokens, args.dtype, args.repeats)
+            (passes, warmup), *_ = spawn(ours, args.dp, model_dir, n, args.micro_batch_tokens, args.dtype,
+                                         args.repeats)
         runs["rlhf_mc_ref_swap_packed"] = (passes, m["peak_process_mb"])
         emit(bench="ref_logprob", figure="ours: warm-up pass (compiles on CPU)", sequences=WARMUP,
              value=round(warmup, 2), unit="s")
@@ -177,7 +189,7 @@ def main() -> None:
     ours_s = statistics.median(ours_passes)
     for system, (passes, mb) in runs.items():
         seconds = statistics.median(passes)
-        emit(bench="ref_logprob", system=system, dtype=args.dtype, sequences=n, tokens=all_tokens,
+        emit(bench="ref_logprob", system=system, dtype=args.dtype, dp=args.dp, sequences=n, tokens=all_tokens,
              response_tokens=response_tokens, seconds=round(seconds, 2), passes=[round(p, 2) for p in passes],
              tokens_per_s=round(all_tokens / seconds, 1),
              peak_process_mb=round(mb, 1),
