@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1,
                         help="our data-parallel ranks, the cores split among them (the quickstart's layout: 2)")
     args = parser.parse_args()
+    if args.dp < 1 or WARMUP % args.dp:
+        parser.error(f"--dp: {args.dp} does not divide the {WARMUP} warm-up sequences")
     n = args.sequences - args.sequences % args.dp  # an equal count a rank
     seqs = workload(n)
     response_tokens = sum(len(s) - PROMPT for s in seqs)

@@ -427,8 +427,8 @@ def test_async_mode_trains_within_the_staleness_bound(tmp_path):
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
                          "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
                          "rollout.mode=async", "rollout.engine.num_engines=1", "rollout.max_staleness=1",
-                         "rollout.placement=disaggregated",
-                         "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
+                         "rollout.placement=disaggregated", "resources.devices_per_node=2",
+                         "reward.function=tests.test_trainer:char_codes"]), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "reward/mean" in r}
     assert sorted(steps) == [1, 2, 3, 4]

@@ -377,6 +377,7 @@ class Cluster:
                                       f"{longest}")
             return ray.get([engine.address.remote() for engine in self.engines])
         spans_nodes = len(set(self.slot_nodes)) > 1
+        per_node = self.recipe.resources.devices_per_node
         for e, (first, n) in enumerate(self.plan.engines):
             slots = range(first, first + n)
             # The engine's devices: the GPUs of its slots, in TP rank order (rank i on slot first + i, the device of
@@ -386,7 +387,6 @@ class Cluster:
             engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=self.slots[first])
-            per_node = self.recipe.resources.devices_per_node
             self.engines.append(remote(num_cpus=0.05, max_concurrency=calls, scheduling_strategy=strategy).remote(
                 engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated, first % per_node,
                 per_node))
