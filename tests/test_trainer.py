@@ -271,11 +271,14 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
 
     base = next(p for p in iter(free_port, None) if _port_free(p + 1))
     out = tmp_path / "two"
+    shared_memory = set(Path("/dev/shm").glob("torch_*"))
     common = ["trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
               "data.val_path=", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-3",
               "reward.function=tests.test_trainer:char_codes"]
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "resources.devices_per_node=2",
                          "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common]), out)
+    # the weight sync's shared-memory staging went with the run (Ray's kill of the workers leaves what they made)
+    assert set(Path("/dev/shm").glob("torch_*")) <= shared_memory
     placement = json.loads((out / "placement.json").read_text())
     assert [row["roles"] for row in placement] == [["actor rank 0", "rollout engine 0 tp rank 0"],
                                                   ["actor rank 1", "rollout engine 1 tp rank 0"]]

@@ -176,6 +176,15 @@ def shared_staging(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
+def release_staging(staging: torch.Tensor) -> None:
+    """Removes a shared_staging buffer's file from /dev/shm (the processes that map it keep their mappings; nobody
+    can open it any more). Torch removes it when the last mapping closes or, after a crash, its shm manager does; Ray
+    kills a run's workers and their shm managers with them, so without this each run left its staging (two buckets)
+    in /dev/shm, that is in memory, until the machine restarted."""
+    _, name, _ = staging.untyped_storage()._share_filename_cpu_()  # the existing file's name
+    Path("/dev/shm", name.decode().lstrip("/")).unlink(missing_ok=True)
+
+
 class SGLangEngine:
     def __init__(self, cfg: RolloutConfig, log_dir: str | Path | None = None, memory_saver: bool = False,
                  first_slot: int = 0, slots_on_host: int | None = None):

@@ -221,10 +221,16 @@ class WorkerGroup:
         return self._by_share("update", per_rank, kind, **kwargs)[self.reporter]
 
     def shutdown(self) -> None:
+        """Ends the weight sync (a kill would leave its shared memory behind), then kills the workers."""
         import ray
 
+        try:
+            ray.get([w.disconnect_engines.remote() for w in self.workers], timeout=10)
+        except Exception:  # noqa: BLE001 - best effort on the way out (a worker may be dead already)
+            pass
         for w in self.workers:
             ray.kill(w)
+        self.workers = []
 
 
 class EngineWorker:
@@ -316,6 +322,7 @@ class Cluster:
         check_groups_on_one_node(plan, self.slot_nodes, recipe.resources.devices_per_node)
         self.train_bundles = self.slots[:plan.actor_world]
         self.engines: list = []
+        self.groups: list[WorkerGroup] = []
 
     def _order_bundles(self) -> tuple[list[int], list[str], list[str], list[int | None]]:
         """Bundles sorted by (node IP, node, GPU id), as slime does: slot d -> bundle, Ray node id, node IP, GPU."""
@@ -346,8 +353,10 @@ class Cluster:
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
                      recompute: str = "none", router: RouterConfig = RouterConfig()) -> WorkerGroup:
-        return WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
-                           self.recipe.trainer.seed, self.gpu, recompute, value_head, router)
+        group = WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
+                            self.recipe.trainer.seed, self.gpu, recompute, value_head, router)
+        self.groups.append(group)
+        return group
 
     def start_engines(self, model_path: str, log_dir: Path, routed_experts: bool = False) -> list[str]:
         """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses); returns
@@ -464,10 +473,12 @@ class Cluster:
         return total
 
     def shutdown(self) -> None:
-        """Stops the engines (their servers first), then every Ray actor of the run: a local Ray instance with
-        them, a cluster's by ending this job."""
+        """Stops the worker groups and the engines (their servers first), then every Ray actor of the run: a local
+        Ray instance with them, a cluster's by ending this job."""
         import ray
 
+        for group in self.groups:
+            group.shutdown()
         for engine in self.engines:
             try:
                 ray.get(engine.call.remote("shutdown"), timeout=60)

@@ -205,6 +205,12 @@ class ModelWorker:
         self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
                                                                        config_from), bucket_bytes)
 
+    def disconnect_engines(self) -> None:
+        """Ends the weight sync; its transport releases what it holds outside this process."""
+        if self.weight_sync is not None:
+            self.weight_sync.transport.close()
+            self.weight_sync = None
+
     def reconnect_engines(self) -> None:
         """After engines were restarted: a broadcast transport forms its group with them again."""
         reconnect = getattr(self.weight_sync.transport, "reconnect", None)
