@@ -6,14 +6,16 @@ and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU
 runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
 measured for time and peak RSS; ours after a warm-up pass over a few sequences, timed apart (on CPU the first large
 forward compiles the element-wise kernels, once a process). Ours and the length-sorted batches: the median of
---repeats passes in their process (single passes spread by ~20% run to run on a shared VM), the other two one pass.
+--repeats passes in their process (single passes spread by ~20% run to run on a shared VM), the other two one pass;
+with --rounds R ours and (c) and (d) run in turn R times, their ratios the medians of the rounds' (a process's figure
+moves with the VM's drift: (c) read 9.8-12.3 s in single runs of one day).
 Prints JSON lines with ratios, and each run's FLOP/s as a fraction of this machine's matmul FLOP/s in --dtype (the
 forward's matmuls: 2 x matmul parameters per token, and causal attention,
 2 x 2 x heads x head_dim x L(L+1)/2 per sequence and layer); `ratio_at_peak` is the length-sorted baseline's time
 over those FLOPs at the peak: the most any system could beat it by on this machine.
 
     .venv/bin/python bench/ref_logprob.py [--sequences 700 --micro-batch-tokens 8192 --dtype float32 --repeats 3
-                                          --dp 1]
+                                          --dp 1 --rounds 1]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rlhf_mc.runtime.spawn import spawn  # noqa: E402
 
 PROMPT = 64
 WARMUP = 32  # sequences of our warm-up pass
+OURS, SORTED = "rlhf_mc_ref_swap_packed", "transformers_length_sorted_batches_of_8"
 
 
 def workload(n: int):
@@ -155,9 +158,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="every system's weights")
     parser.add_argument("--repeats", type=int, default=3, help="passes of ours and of the sorted batches (median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ours and the sorted batches in turn this many times (the ratio: the median of the rounds')")
     parser.add_argument("--dp", type=int, default=1,
                         help="our data-parallel ranks, the cores split among them (the quickstart's layout: 2)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     if args.dp < 1 or WARMUP % args.dp:
         parser.error(f"--dp: {args.dp} does not divide the {WARMUP} warm-up sequences")
     n = args.sequences - args.sequences % args.dp  # an equal count a rank
@@ -168,37 +175,50 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(Path(tmp) / "model")
         write_model(Path(model_dir))
-        runs = {}
-        with peak_memory() as m:
-            (passes, warmup), *_ = spawn(ours, args.dp, model_dir, n, args.micro_batch_tokens, args.dtype,
-                                         args.repeats)
-        runs["rlhf_mc_ref_swap_packed"] = (passes, m["peak_process_mb"])
-        emit(bench="ref_logprob", figure="ours: warm-up pass (compiles on CPU)", sequences=WARMUP,
-             value=round(warmup, 2), unit="s")
+        # ours and the length-sorted batches (plain and as a rank) in turn, each round minutes apart at most: on a
+        # shared VM whose speed drifts by 10-30% from minute to minute, one process's figure moves with the drift
+        rounds: list[dict[str, tuple[list[float], float]]] = []
+        for _ in range(args.rounds):
+            runs = {}
+            with peak_memory() as m:
+                (passes, warmup), *_ = spawn(ours, args.dp, model_dir, n, args.micro_batch_tokens, args.dtype,
+                                             args.repeats)
+            runs[OURS] = (passes, m["peak_process_mb"])
+            emit(bench="ref_logprob", figure="ours: warm-up pass (compiles on CPU)", sequences=WARMUP,
+                 value=round(warmup, 2), unit="s")
+            for system, as_rank in ((SORTED, False), (SORTED + "_started_as_rlhf_mc_rank", True)):
+                with peak_memory() as m:
+                    passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats, as_rank=as_rank)
+                runs[system] = (passes, m["peak_process_mb"])
+            rounds.append(runs)
+        once = {}  # the slow baselines, one pass each
         with peak_memory() as m:
             passes = [in_child(hf_loop, model_dir, n, args.dtype)]
-        runs["transformers_per_sequence_loop"] = (passes, m["peak_process_mb"])
+        once["transformers_per_sequence_loop"] = (passes, m["peak_process_mb"])
         with peak_memory() as m:
             passes = [in_child(hf_padded, model_dir, n, args.dtype)]
-        runs["transformers_one_padded_batch"] = (passes, m["peak_process_mb"])
-        with peak_memory() as m:
-            passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats)
-        runs["transformers_length_sorted_batches_of_8"] = (passes, m["peak_process_mb"])
-        with peak_memory() as m:
-            passes = in_child(hf_sorted_batches, model_dir, n, args.dtype, args.repeats, as_rank=True)
-        runs["transformers_length_sorted_batches_of_8_started_as_rlhf_mc_rank"] = (passes, m["peak_process_mb"])
-    ours_passes, ours_mb = runs["rlhf_mc_ref_swap_packed"]
-    ours_s = statistics.median(ours_passes)
-    for system, (passes, mb) in runs.items():
-        seconds = statistics.median(passes)
+        once["transformers_one_padded_batch"] = (passes, m["peak_process_mb"])
+    def seconds_of(runs: dict, system: str) -> float:
+        return statistics.median(runs[system][0])
+
+    ours_s = statistics.median(seconds_of(runs, OURS) for runs in rounds)
+    ours_mb = max(runs[OURS][1] for runs in rounds)
+    results = {}  # system: seconds, every pass, peak MB, its time over ours, the rounds' such ratios
+    for system in rounds[0]:
+        ratios = [seconds_of(runs, system) / seconds_of(runs, OURS) for runs in rounds]
+        results[system] = (statistics.median(seconds_of(runs, system) for runs in rounds),
+                           [p for runs in rounds for p in runs[system][0]], max(runs[system][1] for runs in rounds),
+                           statistics.median(ratios), ratios if system != OURS else None)
+    for system, (passes, mb) in once.items():
+        results[system] = (passes[0], passes, mb, passes[0] / ours_s, None)
+    for system, (seconds, passes, mb, speedup, ratios) in results.items():
         emit(bench="ref_logprob", system=system, dtype=args.dtype, dp=args.dp, sequences=n, tokens=all_tokens,
              response_tokens=response_tokens, seconds=round(seconds, 2), passes=[round(p, 2) for p in passes],
-             tokens_per_s=round(all_tokens / seconds, 1),
-             peak_process_mb=round(mb, 1),
-             rlhf_mc_speedup=round(seconds / ours_s, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
-             mfu=round(flops / seconds / peak, 3))
+             tokens_per_s=round(all_tokens / seconds, 1), peak_process_mb=round(mb, 1),
+             rlhf_mc_speedup=round(speedup, 2), rlhf_mc_memory_ratio=round(ours_mb / mb, 2),
+             mfu=round(flops / seconds / peak, 3), **({"rounds": [round(r, 2) for r in ratios]} if ratios else {}))
     emit(bench="ref_logprob", figure="ratio_at_peak", gflop=round(flops / 1e9, 1),
-         value=round(statistics.median(runs["transformers_length_sorted_batches_of_8"][0]) / (flops / peak), 2))
+         value=round(results[SORTED][0] / (flops / peak), 2))
 
 
 if __name__ == "__main__":
