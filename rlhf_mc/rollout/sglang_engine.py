@@ -176,11 +176,12 @@ def shared_staging(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
-def release_staging(staging: torch.Tensor) -> None:
-    """Removes a shared_staging buffer's file from /dev/shm (the processes that map it keep their mappings; nobody
-    can open it any more). Torch removes it when the last mapping closes or, after a crash, its shm manager does; Ray
-    kills a run's workers and their shm managers with them, so without this each run left its staging (two buckets)
-    in /dev/shm, that is in memory, until the machine restarted."""
+def unlink_staging(staging: torch.Tensor) -> None:
+    """Removes a shared_staging buffer's file from /dev/shm, ahead of its process's kill. Torch removes it when the last
+    process mapping it lets go, or after a crash through its shm manager; Ray kills a run's workers and the shm manager
+    (their child) with them, and the engines keep theirs open: without this each run left its staging (two buckets)
+    in /dev/shm, that is in memory, until the machine restarted. The caller keeps the staging: once the file is gone,
+    torch's own removal at the last let-go finds nothing and aborts the process."""
     _, name, _ = staging.untyped_storage()._share_filename_cpu_()  # the existing file's name
     Path("/dev/shm", name.decode().lstrip("/")).unlink(missing_ok=True)
 

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from rlhf_mc.bridge.weights import ExportPlan, export_hf_weights, write_hf_weights
 from rlhf_mc.config import ModelConfig, RolloutConfig
 from rlhf_mc.rollout import cpu
-from rlhf_mc.rollout.sglang_engine import (SGLangEngine, flat_layout, flat_views, release_staging, serialize_flat,
-                                           shared_staging, tensor_payload)
+from rlhf_mc.rollout.sglang_engine import (SGLangEngine, flat_layout, flat_views, serialize_flat, shared_staging,
+                                           tensor_payload, unlink_staging)
 
 Buckets = Iterator[list[tuple[str, torch.Tensor]]]
 
@@ -133,10 +133,10 @@ class SharedStaging:
             return None
         return SendResult([e for e in targets if e not in failed], failed)
 
-    def close(self) -> None:
-        """Removes the staging's shared-memory file (rank 0 made it): the end of the run's syncs."""
+    def unlink_staging(self) -> None:
+        """Before the kill that ends the run: removes the staging's shared-memory file (rank 0 made it)."""
         if self.staging is not None and dist.get_rank() == 0:
-            release_staging(self.staging)
+            unlink_staging(self.staging)
 
     def _share(self, nbytes: int) -> None:
         """Makes the staging (rank 0) and maps it on every rank, once per size (collective)."""
@@ -198,10 +198,10 @@ class ColocatedTensors:
             return None
         return SendResult([] if error else [self.engine], {self.engine: error} if error else {})
 
-    def close(self) -> None:
-        """Removes the CPU staging's shared-memory file: the end of the run's syncs."""
+    def unlink_staging(self) -> None:
+        """Before the kill that ends the run: removes the CPU staging's shared-memory file."""
         if self.staging is not None:
-            release_staging(self.staging)
+            unlink_staging(self.staging)
 
     def _staging(self, bucket) -> torch.Tensor | None:
         if not cpu.on_cpu():
@@ -251,8 +251,8 @@ class _FromRankZero:
     def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Nothing to release: these transports hold nothing outside their processes."""
+    def unlink_staging(self) -> None:
+        """Nothing to remove: these transports keep no shared memory."""
 
 
 class Broadcast(_FromRankZero):

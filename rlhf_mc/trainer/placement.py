@@ -221,11 +221,11 @@ class WorkerGroup:
         return self._by_share("update", per_rank, kind, **kwargs)[self.reporter]
 
     def shutdown(self) -> None:
-        """Ends the weight sync (a kill would leave its shared memory behind), then kills the workers."""
+        """Kills the workers, first removing the shared memory a kill would leave behind."""
         import ray
 
         try:
-            ray.get([w.disconnect_engines.remote() for w in self.workers], timeout=10)
+            ray.get([w.unlink_shared_memory.remote() for w in self.workers], timeout=10)
         except Exception:  # noqa: BLE001 - best effort on the way out (a worker may be dead already)
             pass
         for w in self.workers:

@@ -205,11 +205,11 @@ class ModelWorker:
         self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
                                                                        config_from), bucket_bytes)
 
-    def disconnect_engines(self) -> None:
-        """Ends the weight sync; its transport releases what it holds outside this process."""
+    def unlink_shared_memory(self) -> None:
+        """Right before this worker's kill: removes the shared-memory files it made (the weight sync's CPU staging),
+        which a kill leaves behind. The objects stay until the kill (rollout.sglang_engine.unlink_staging says why)."""
         if self.weight_sync is not None:
-            self.weight_sync.transport.close()
-            self.weight_sync = None
+            self.weight_sync.transport.unlink_staging()
 
     def reconnect_engines(self) -> None:
         """After engines were restarted: a broadcast transport forms its group with them again."""
