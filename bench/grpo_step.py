@@ -1,10 +1,10 @@
 """One GRPO step by phase, ours vs TRL's GRPOTrainer (`pip install trl`) on the same model, prompts and batch, over
 model sizes and response lengths: 32 prompts x 8 samples of the quickstart's arithmetic data, one optimizer step per
 batch, no KL term, both in --dtype (ours trains and rolls out in it; TRL, in bf16, autocasts: its default), our
-micro-batch the whole batch as TRL's forward is (or --micro-batch-tokens). JSON lines per configuration: our phases (median over the timed
-steps) with their achieved FLOP/s as a fraction of this machine's matmul FLOP/s in that dtype (measured first), TRL's
-step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL's step over a step that ran every
-matmul at the peak (the most any system could gain over TRL on these cores).
+micro-batch the whole batch as TRL's forward is (or --micro-batch-tokens). JSON lines per configuration: our phases
+(median over the timed steps) with their achieved FLOP/s as a fraction of this machine's matmul FLOP/s in that dtype
+(measured first), TRL's step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL's step over a
+step that ran every matmul at the peak (the most any system could gain over TRL on these cores).
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 6] [--warmup 1]
                               [--dtype float32] [--rounds 1] [--micro-batch-tokens N]
@@ -54,7 +54,7 @@ def write_model_config(path: Path, size: str) -> int:
 
 
 def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int, dtype: str,
-         micro_batch_tokens: int | None) -> tuple[dict, Path]:
+         micro_batch_tokens: int) -> tuple[dict, Path]:
     from rlhf_mc.trainer.loop import train
     from rlhf_mc.trainer.plan import make_plan
     from rlhf_mc.trainer.recipe import load_recipe, model_config
@@ -65,9 +65,7 @@ def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warm
         "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
         f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
         "rollout.ignore_eos=true", f"actor.optim.lr={LR}", f"model.dtype={dtype}", f"rollout.engine.dtype={dtype}",
-        # by default the whole step's batch in one micro-batch, as TRL's one forward over
-        # per_device_train_batch_size samples
-        f"actor.micro_batch_tokens={micro_batch_tokens or PROMPTS * N * (PROMPT_TOKENS + response_length)}"])
+        f"actor.micro_batch_tokens={micro_batch_tokens}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:-1]  # the last step also saves the final checkpoint
@@ -145,15 +143,18 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 model_yaml = Path(tmp) / "model.yaml"
                 params = write_model_config(model_yaml, size)
+                # by default the whole step's batch in one micro-batch, as TRL's one forward over
+                # per_device_train_batch_size samples
+                micro_batch_tokens = args.micro_batch_tokens or PROMPTS * N * (PROMPT_TOKENS + length)
                 rounds = []  # (our phases, TRL's step seconds and mean completion length) per round
                 for r in range(args.rounds):
                     phases, model_dir = ours(Path(tmp) / f"ours{r}", model_yaml, length, args.steps, args.warmup,
-                                             args.dtype, args.micro_batch_tokens)
+                                             args.dtype, micro_batch_tokens)
                     rounds.append((phases, *(in_child(trl_step, model_dir, length, args.steps, args.warmup,
                                                       args.dtype) if trl else (None, None))))
                 phases = {k: statistics.median(p[k] for p, _, _ in rounds) for k in rounds[0][0]}
                 config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), response_length=length,
-                              micro_batch_tokens=args.micro_batch_tokens or PROMPTS * N * (PROMPT_TOKENS + length),
+                              micro_batch_tokens=micro_batch_tokens,
                               response_length_mean=round(phases["response/length_mean"], 1))
                 # tokens through the model per step: prompts and responses, every sample
                 tokens = PROMPTS * N * (PROMPT_TOKENS + phases["response/length_mean"])

@@ -159,7 +159,7 @@ def main() -> None:
                         help="every system's weights")
     parser.add_argument("--repeats", type=int, default=3, help="passes of ours and of the sorted batches (median)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="ours and the sorted batches in turn this many times (the ratio: the median of the rounds')")
+                        help="ours and the sorted batches in turn this many times (ratios: the rounds' median)")
     parser.add_argument("--dp", type=int, default=1,
                         help="our data-parallel ranks, the cores split among them (the quickstart's layout: 2)")
     args = parser.parse_args()
@@ -198,6 +198,7 @@ def main() -> None:
         with peak_memory() as m:
             passes = [in_child(hf_padded, model_dir, n, args.dtype)]
         once["transformers_one_padded_batch"] = (passes, m["peak_process_mb"])
+
     def seconds_of(runs: dict, system: str) -> float:
         return statistics.median(runs[system][0])
 
