@@ -129,23 +129,29 @@ class ServerProcess:
         raise TimeoutError(f"SGLang engine {self.index} did not serve within {timeout_s:.0f} s; log tail "
                            f"({self.log_path}):\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 1.0) -> None:
+        """SIGTERM to the server's processes, SIGKILL to what is left after `grace_s`. The scheduler and detokenizer
+        exit on SIGTERM at once; the HTTP server's process only notices it at the next tick of SGLang's SIGTERM
+        watchdog, every 5 s (TokenizerManager.sigterm_watchdog), then waits on schedulers already gone: 5.8 s of
+        nothing at the end of every run and restart, a server at a time (a stop took 7.3 s, now ~1 s). It holds
+        nothing a kill loses: the same /dev/shm files are left either way."""
         if self.proc is None:
             return
         try:
             tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             tree = []
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for proc in tree:
-                try:
-                    proc.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            _, alive = psutil.wait_procs(tree, timeout=grace_s)
-            if not alive:
-                break
-            tree = alive
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=grace_s)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # anything else left in its session
         except (ProcessLookupError, PermissionError):
