@@ -131,9 +131,10 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 1.0) -> None:
         """SIGTERM to the server's processes, SIGKILL to what is left after `grace_s`. The scheduler and detokenizer
-        exit on SIGTERM at once; the HTTP server's process only notices it at the next tick of SGLang's SIGTERM
-        watchdog, every 5 s (TokenizerManager.sigterm_watchdog), then waits on schedulers already gone: 5.8 s of
-        nothing at the end of every run and restart, a server at a time (a stop took 7.3 s, now ~1 s). It holds
+        exit on SIGTERM at once. The HTTP server's process then takes the scheduler's exit for a crash and sleeps 5 s
+        "before crash diagnostics to let GPU activity settle" (SGLang's log) before it ends; signalled alone, it acts
+        on SIGTERM only at its watchdog's next 5-second tick (TokenizerManager.sigterm_watchdog). Either way 5.8 s of
+        nothing at the end of every run and restart, a server at a time (a stop took 7.3 s, now ~1.1 s). It holds
         nothing a kill loses: the same /dev/shm files are left either way."""
         if self.proc is None:
             return
