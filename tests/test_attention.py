@@ -1,7 +1,9 @@
 """The local core attention on packed (THD) input against SDPA run on each sequence alone: outputs and the
 gradients of query, key and value, for a pack in no particular order with runs of equal lengths (attended as one
 batch) between single sequences. In bf16 with gradients on CPU (attended in fp32 there, for speed), within bf16's
-rounding of the same in fp32."""
+rounding of the same in fp32. Without gradients on CPU the pack takes models/cpu_causal_attention.py's kernel: its
+output against SDPA's in fp64, with lengths on both sides of its 64-query and 512-key blocks, query, key and value
+strided views of one tensor as Megatron's projection gives them."""
 
 from __future__ import annotations
 
@@ -16,11 +18,17 @@ from rlhf_mc.runtime.spawn import spawn
 
 MODEL = ModelConfig.from_yaml(Path(__file__).resolve().parents[1] / "model_configs" / "tiny-llama.yaml")
 LENGTHS = [30, 9, 9, 9, 21, 19, 19, 7, 30]
+# the no-gradient kernel's blocks: 64 queries, 512 keys
+KERNEL_LENGTHS = [1, 63, 64, 65, 130, 9, 9, 512, 513, 1100, 2]
 
 
-def _packed_vs_alone(dtype: torch.dtype) -> list[float]:
+def _packed_vs_alone(dtype: torch.dtype, lengths: list[int], with_grad: bool) -> list[float]:
+    """Errors of the packed attention's output (and with_grad: of dq, dk, dv) against SDPA on each sequence alone
+    in fp64 (fp32 for bf16 with gradients, where SDPA's fp64 backward would be the slow part), each relative to the
+    largest entry of its tensor."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from rlhf_mc.models import cpu_causal_attention
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
 
@@ -29,29 +37,41 @@ def _packed_vs_alone(dtype: torch.dtype) -> list[float]:
     attention = model.decoder.layers[0].self_attention.core_attention
     heads, groups, d = MODEL.num_attention_heads, MODEL.num_kv_heads, MODEL.head_dim
     g = torch.Generator().manual_seed(0)
-    t = sum(LENGTHS)
-    q, k, v = (torch.randn(t, h, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-               for h in (heads, groups, groups))
-    cu = torch.tensor([0, *LENGTHS]).cumsum(0).int()
-    out = attention(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
-                                                                      cu_seqlens_kv=cu, max_seqlen_q=max(LENGTHS),
-                                                                      max_seqlen_kv=max(LENGTHS)))
+    qkv = torch.randn(sum(lengths), heads + 2 * groups, d, generator=g, dtype=torch.float64).to(dtype)
+    if with_grad:
+        q, k, v = (x.contiguous().requires_grad_() for x in qkv.split([heads, groups, groups], 1))
+    else:
+        q, k, v = qkv.split([heads, groups, groups], 1)
+        assert not q.is_contiguous() and cpu_causal_attention.applies(q) == (dtype != torch.float64)
+    cu = torch.tensor([0, *lengths]).cumsum(0).int()
+    with torch.set_grad_enabled(with_grad):
+        out = attention(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                                          cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                                                          max_seqlen_kv=max(lengths)))
     grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
-    packed = (out, *torch.autograd.grad(out, (q, k, v), grad_out))
-    reference = torch.float64 if dtype == torch.float64 else torch.float32
-    q, k, v = (x.detach().to(reference).requires_grad_() for x in (q, k, v))
-    grad_out = grad_out.to(reference)
+    packed = (out, *torch.autograd.grad(out, (q, k, v), grad_out)) if with_grad else (out,)
+    reference = torch.float32 if dtype == torch.bfloat16 and with_grad else torch.float64
+    q, k, v = (x.detach().to(reference).requires_grad_(with_grad) for x in (q, k, v))
     alone = []
-    for qs, ks, vs in zip(q.split(LENGTHS), k.split(LENGTHS), v.split(LENGTHS)):
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
         alone.append(F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
                                                     is_causal=True, enable_gqa=True).transpose(0, 1).flatten(1))
     expected = torch.cat(alone)
-    expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out))
-    # each error relative to the largest entry of its tensor
+    if with_grad:
+        expected = (expected, *torch.autograd.grad(expected, (q, k, v), grad_out.to(reference)))
+    else:
+        expected = (expected,)
     return [((a.to(reference) - b).abs().max() / b.abs().max()).item() for a, b in zip(packed, expected)]
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.bfloat16, 2.0 ** -8)])
 def test_packed_attention_matches_each_sequence_alone(dtype, tolerance):
-    (errors,) = spawn(_packed_vs_alone, 1, dtype)
+    (errors,) = spawn(_packed_vs_alone, 1, dtype, LENGTHS, True)
     assert max(errors) < tolerance, errors  # output, dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2.0 ** -8),
+                                              (torch.float64, 1e-12)])  # fp64: SDPA, the kernel has no fp64
+def test_packed_attention_without_gradients_matches_each_sequence_alone(dtype, tolerance):
+    (errors,) = spawn(_packed_vs_alone, 1, dtype, KERNEL_LENGTHS, False)
+    assert max(errors) < tolerance, errors

@@ -9,12 +9,14 @@ so CP and packing work without TE:
   before the CP split); attention is causal within each sequence and never crosses one.
 Attention is always causal and ignores `attention_mask`: padded batches must be padded on the right.
 
-Without CP, each run of consecutive packed sequences of equal length is attended as one batch with `is_causal`
-(SDPA's fused kernel, no mask), on a view of the pack. A block-diagonal mask over a packed run would make the kernel
-compute every whole block (3.9x the needed work on an 8k-token micro-batch of 32-512-token sequences); gathering
-sequences of similar length into padded batches (what this module did before) cost more in gathers than it saved in
-kernel calls (CPU, 2 threads: 1.3-2x slower forward and backward at 200 sequences of 8-300 tokens, even at 8-40).
-The micro-batcher packs sequences longest first (data/microbatch.py), so equal lengths are adjacent.
+Without CP, a pack on CPU without gradients (log-prob passes) takes models/cpu_causal_attention.py's kernel,
+which skips the masked keys that SDPA's CPU kernel computes. Otherwise each run of consecutive packed sequences of
+equal length is attended as one batch with `is_causal` (SDPA's fused kernel, no mask), on a view of the pack. A
+block-diagonal mask over a packed run would make the kernel compute every whole block (3.9x the needed work on an
+8k-token micro-batch of 32-512-token sequences); gathering sequences of similar length into padded batches (what
+this module did before) cost more in gathers than it saved in kernel calls (CPU, 2 threads: 1.3-2x slower forward and
+backward at 200 sequences of 8-300 tokens, even at 8-40). The micro-batcher packs sequences longest first
+(data/microbatch.py), so equal lengths are adjacent.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from rlhf_mc.models import cpu_causal_attention
 from rlhf_mc.runtime.context_parallel import cp_positions
 
 
@@ -157,6 +160,9 @@ class LocalCoreAttention(MegatronModule):
 
     def _packed_causal(self, query, key, value, lengths: list[int]):
         """query [t, heads, d], key/value [t, groups, d] holding `lengths` packed sequences -> [t, heads*d]."""
+        if (self.dropout_p == 0.0 or not self.training) and cpu_causal_attention.applies(query):
+            return cpu_causal_attention.packed_causal_attention(query, key, value, lengths,
+                                                                self.softmax_scale).flatten(1)
         runs = [(n, len(list(same))) for n, same in itertools.groupby(lengths)]
         sizes = [n * count for n, count in runs]  # one split: its backward is one cat, not a zero-fill per run
         outs = []

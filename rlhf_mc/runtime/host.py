@@ -73,34 +73,51 @@ def amd_cpu() -> bool:
         return False
 
 
-@functools.cache
-def mkl_preload() -> str | None:
-    """The library that gives MKL's AVX-512 kernels to an AMD CPU (see the module's doc), built once per user into
-    ~/.cache/rlhf_mc (to a temp name, then renamed: processes starting at once may build it together); None where it
-    does not apply (not AMD, torch without MKL) or no C compiler is found (logged: matmuls at MKL's generic speed)."""
-    if not amd_cpu() or not torch.backends.mkl.is_available():
-        return None
+def build_library(name: str, source: str, language: str, flags: list[str], without: str) -> str | None:
+    """`source` (`language` "c" or "c++") compiled with `flags` into a shared library, once per user and machine into
+    ~/.cache/rlhf_mc (its name hashes the source, the flags and this CPU, for -march=native; built under a temp name,
+    then renamed: processes starting at once may build it together). None where no compiler ($CC / $CXX, else cc /
+    c++) is found or it fails: logged with `without`, what the process then goes without."""
+    compiler = shutil.which(os.environ.get("CC", "cc") if language == "c" else os.environ.get("CXX", "c++"))
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf_mc"
-    lib = cache / f"mkl_vendor_shim_{hashlib.sha1(MKL_VENDOR_SHIM.encode()).hexdigest()[:8]}.so"
+    key = hashlib.sha1("\0".join([source, *flags, _cpu_identity()]).encode()).hexdigest()[:8]
+    lib = cache / f"{name}_{key}.so"
     if lib.exists():
         return str(lib)
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        log.warning("no C compiler (cc): MKL keeps its generic kernels on this AMD CPU (about half the matmul speed)")
+    if compiler is None:
+        log.warning("no %s compiler to build %s: %s", language, name, without)
         return None
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            source, built = Path(tmp) / "shim.c", Path(tmp) / "shim.so"
-            source.write_text(MKL_VENDOR_SHIM)
-            subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(built), str(source)], check=True,
+            src, built = Path(tmp) / f"{name}.{'c' if language == 'c' else 'cpp'}", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            subprocess.run([compiler, "-shared", "-fPIC", "-o", str(built), str(src), *flags], check=True,
                            capture_output=True, text=True)
             built.replace(lib)
     except (OSError, subprocess.CalledProcessError) as e:  # a speed-up not had is no reason to stop a run
-        log.warning("could not build %s (%s): MKL keeps its generic kernels on this AMD CPU", lib,
-                    getattr(e, "stderr", None) or e)
+        log.warning("could not build %s (%s): %s", lib, getattr(e, "stderr", None) or e, without)
         return None
     return str(lib)
+
+
+def _cpu_identity() -> str:
+    """This CPU's model and instruction sets (/proc/cpuinfo's first processor), "" where unreadable."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
+
+
+@functools.cache
+def mkl_preload() -> str | None:
+    """The library that gives MKL's AVX-512 kernels to an AMD CPU (see the module's doc); None where it does not
+    apply (not AMD, torch without MKL) or cannot be built (logged: matmuls at MKL's generic speed)."""
+    if not amd_cpu() or not torch.backends.mkl.is_available():
+        return None
+    return build_library("mkl_vendor_shim", MKL_VENDOR_SHIM, "c", ["-O2"],
+                         "MKL keeps its generic kernels on this AMD CPU (about half the matmul speed)")
 
 
 def exec_env(inherited: Mapping[str, str]) -> dict[str, str]:
