@@ -44,12 +44,12 @@ def _kernels() -> dict[torch.dtype, tuple[ctypes._CFuncPtr, int]] | None:
                         ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-lmvec"], without)
     if lib is None:
         return None
-    kernels = ctypes.CDLL(lib)
-    torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
     try:
+        kernels = ctypes.CDLL(lib)
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         return {dtype: (getattr(kernels, entry), ctypes.cast(getattr(torch_cpu, gemm), ctypes.c_void_p).value)
                 for dtype, (entry, gemm) in ENTRY_POINTS.items()}
-    except AttributeError as e:  # a torch built without MKL
+    except (OSError, AttributeError) as e:  # torch's libraries laid out otherwise, or built without MKL
         log.warning("%s: %s", e, without)
         return None
 
