@@ -596,9 +596,11 @@ class SGLangEngine:
         if self._closed:
             return
         self._closed = True
-        for server in self.servers:
-            if server is not None:
-                server.stop()
+        stops = [_Call(server.stop) for server in self.servers if server is not None]  # ~1 s each: all at once
+        for stop in stops:
+            stop.start()
+        for stop in stops:
+            stop.join_or_raise()
         self._session.close()
         atexit.unregister(self.shutdown)
 
