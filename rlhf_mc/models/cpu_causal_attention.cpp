@@ -66,7 +66,8 @@ void attend(Gemm gemm, const T *q, const T *k, const T *v, T *out, const int64_t
         const int rows = len - m < kQueryBlock ? len - m : kQueryBlock, all = per_group * rows;
         const int keys = m + rows;  // causal: the block's last position sees keys [0, m + rows)
         for (int j = 0; j < per_group; j++)
-          for (int r = 0; r < rows; r++) std::memcpy(queries + (j * rows + r) * d, qg + (m + r) * sq + j * d, sizeof(T) * d);
+          for (int r = 0; r < rows; r++)
+            std::memcpy(queries + (j * rows + r) * d, qg + (m + r) * sq + j * d, sizeof(T) * d);
         std::memset(acc, 0, sizeof(float) * all * d);
         for (int n = 0; n < keys; n += kKeyBlock) {
           const int cols = keys - n < kKeyBlock ? keys - n : kKeyBlock;
@@ -119,12 +120,14 @@ extern "C" {
 void causal_attention_f32(void *gemm, const float *q, const float *k, const float *v, float *out, const int64_t *cu,
                           int sequences, int heads, int groups, int d, int64_t sq, int64_t sk, int64_t sv, int64_t so,
                           float scale) {
-  attend(GemmF32{reinterpret_cast<GemmF32::Fn>(gemm)}, q, k, v, out, cu, sequences, heads, groups, d, sq, sk, sv, so, scale);
+  attend(GemmF32{reinterpret_cast<GemmF32::Fn>(gemm)}, q, k, v, out, cu, sequences, heads, groups, d, sq, sk, sv, so,
+         scale);
 }
 
 void causal_attention_bf16(void *gemm, const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                            const int64_t *cu, int sequences, int heads, int groups, int d, int64_t sq, int64_t sk,
                            int64_t sv, int64_t so, float scale) {
-  attend(GemmBF16{reinterpret_cast<GemmBF16::Fn>(gemm)}, q, k, v, out, cu, sequences, heads, groups, d, sq, sk, sv, so, scale);
+  attend(GemmBF16{reinterpret_cast<GemmBF16::Fn>(gemm)}, q, k, v, out, cu, sequences, heads, groups, d, sq, sk, sv, so,
+         scale);
 }
 }
