@@ -160,7 +160,7 @@ class LocalCoreAttention(MegatronModule):
 
     def _packed_causal(self, query, key, value, lengths: list[int]):
         """query [t, heads, d], key/value [t, groups, d] holding `lengths` packed sequences -> [t, heads*d]."""
-        if (self.dropout_p == 0.0 or not self.training) and cpu_causal_attention.applies(query):
+        if self._dropout_in_effect() == 0.0 and cpu_causal_attention.applies(query):
             return cpu_causal_attention.packed_causal_attention(query, key, value, lengths,
                                                                 self.softmax_scale).flatten(1)
         runs = [(n, len(list(same))) for n, same in itertools.groupby(lengths)]
@@ -177,11 +177,14 @@ class LocalCoreAttention(MegatronModule):
             mask &= k_seg.unsqueeze(0) == q_seg.unsqueeze(1)  # within the same packed sequence
         return self._sdpa(q, k, v, attn_mask=mask)
 
+    def _dropout_in_effect(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
     def _sdpa(self, q, k, v, **mask):
         if (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled()
                 and q.size(-2) < CPU_BF16_GRAD_IN_FP32_BELOW):
             return self._sdpa(q.float(), k.float(), v.float(), **mask).to(q.dtype)
-        dropout_p = self.dropout_p if self.training else 0.0
+        dropout_p = self._dropout_in_effect()
         if dropout_p == 0.0:
             return F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=True, **mask)
         with tensor_parallel.get_cuda_rng_tracker().fork():  # heads differ per TP rank: use the TP-rank stream

@@ -66,11 +66,17 @@ def use_host(ranks_on_host: int) -> None:
 MKL_VENDOR_SHIM = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 
 
-def amd_cpu() -> bool:
+@functools.cache
+def _cpuinfo() -> str:
+    """/proc/cpuinfo, "" where unreadable."""
     try:
-        return "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return ""
+
+
+def amd_cpu() -> bool:
+    return "AuthenticAMD" in _cpuinfo()
 
 
 def build_library(name: str, source: str, language: str, flags: list[str], without: str) -> str | None:
@@ -78,12 +84,12 @@ def build_library(name: str, source: str, language: str, flags: list[str], witho
     ~/.cache/rlhf_mc (its name hashes the source, the flags and this CPU, for -march=native; built under a temp name,
     then renamed: processes starting at once may build it together). None where no compiler ($CC / $CXX, else cc /
     c++) is found or it fails: logged with `without`, what the process then goes without."""
-    compiler = shutil.which(os.environ.get("CC", "cc") if language == "c" else os.environ.get("CXX", "c++"))
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf_mc"
     key = hashlib.sha1("\0".join([source, *flags, _cpu_identity()]).encode()).hexdigest()[:8]
     lib = cache / f"{name}_{key}.so"
     if lib.exists():
         return str(lib)
+    compiler = shutil.which(os.environ.get("CC", "cc") if language == "c" else os.environ.get("CXX", "c++"))
     if compiler is None:
         log.warning("no %s compiler to build %s: %s", language, name, without)
         return None
@@ -102,11 +108,8 @@ def build_library(name: str, source: str, language: str, flags: list[str], witho
 
 
 def _cpu_identity() -> str:
-    """This CPU's model and instruction sets (/proc/cpuinfo's first processor), "" where unreadable."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
+    """This CPU's model and instruction sets (/proc/cpuinfo's first processor)."""
+    lines = _cpuinfo().splitlines()
     return "\n".join(next((line for line in lines if line.startswith(field)), "") for field in ("model name", "flags"))
 
 
