@@ -138,7 +138,13 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -208,8 +214,9 @@ class ModelConfig:
     # Mixture of experts (0 experts: a dense model). Qwen3-MoE: softmax over the experts' logits, the top moe_topk
     # kept, renormalized over those when moe_norm_topk_prob. DeepSeek-V3 style (GLM-4.5): sigmoid scores, chosen
     # with a per-expert bias added (moe_expert_bias) among the moe_group_topk best of moe_groups expert groups,
-    # renormalized, times moe_routed_scaling; shared experts beside the routed ones; the first moe_dense_layers
-    # layers dense (ffn_hidden_size).
+    # renormalized, times moe_routed_scaling; shared experts beside the routed ones. Dense layers (an MLP of
+    # ffn_hidden_size) among the MoE ones: moe_dense_layers N = the first N (DeepSeek's first_k_dense_replace), or
+    # a list of layer indices (Qwen3-MoE's mlp_only_layers and decoder_sparse_step; Megatron's per-layer pattern).
     num_experts: int = 0
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
@@ -220,7 +227,7 @@ class ModelConfig:
     moe_group_topk: int = 1
     moe_routed_scaling: float = 1.0
     moe_shared_ffn_hidden_size: int = 0  # all shared experts together; 0: none
-    moe_dense_layers: int = 0
+    moe_dense_layers: int | tuple[int, ...] = 0
     name: str = ""
 
     def __post_init__(self):
@@ -267,10 +274,21 @@ class ModelConfig:
         if not 1 <= self.moe_topk <= self.num_experts:
             raise ConfigError(f"moe_topk: must lie in [1, num_experts={self.num_experts}], got {self.moe_topk}")
         check_at_least(self, 1, "moe_ffn_hidden_size", "moe_groups", "moe_group_topk")
-        check_at_least(self, 0, "moe_shared_ffn_hidden_size", "moe_dense_layers")
-        if self.moe_dense_layers >= self.num_layers:
-            raise ConfigError(f"moe_dense_layers: {self.moe_dense_layers} leaves no MoE layer of "
-                              f"num_layers={self.num_layers}")
+        check_at_least(self, 0, "moe_shared_ffn_hidden_size")
+        dense = self.moe_dense_layers
+        if isinstance(dense, tuple) and dense == tuple(range(len(dense))):  # a leading run: one spelling, its number
+            object.__setattr__(self, "moe_dense_layers", dense := len(dense))
+        if isinstance(dense, tuple):
+            if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers for i in dense):
+                raise ConfigError(f"moe_dense_layers: {list(dense)} must be increasing layer indices in [0, "
+                                  f"num_layers={self.num_layers})")
+            if self.family != "qwen3_moe":
+                raise ConfigError(f"moe_dense_layers: {list(dense)}: {self.family} models have dense layers only "
+                                  "first (first_k_dense_replace): give their number")
+        elif dense < 0:
+            raise ConfigError(f"moe_dense_layers: must be >= 0, got {dense}")
+        if len(self.dense_layer_ids) >= self.num_layers:
+            raise ConfigError(f"moe_dense_layers: {dense} leaves no MoE layer of num_layers={self.num_layers}")
         if self.num_experts % self.moe_groups or self.moe_group_topk > self.moe_groups:
             raise ConfigError(f"moe_groups, moe_group_topk: {self.moe_groups} groups of num_experts="
                               f"{self.num_experts}, {self.moe_group_topk} of them per token: need groups dividing "
@@ -285,6 +303,39 @@ class ModelConfig:
         if self.moe_router_score == "sigmoid" and self.moe_topk > 1 and not self.moe_norm_topk_prob:
             raise ConfigError("moe_norm_topk_prob: false with the sigmoid router is not supported (Megatron "
                               "renormalizes the top-k scores)")
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """The indices of the layers with a dense MLP (every layer in a dense model)."""
+        if not self.num_experts:
+            return tuple(range(self.num_layers))
+        dense = self.moe_dense_layers
+        return dense if isinstance(dense, tuple) else tuple(range(dense))
+
+    @property
+    def num_parameters(self) -> int:
+        """Counted from the architecture fields alone, as the HF implementation lays the weights out."""
+        H, heads = self.hidden_size, self.num_attention_heads
+        if self.kv_lora_rank:  # multi-latent attention: latent projections and their norms
+            q_dims = self.head_dim + self.qk_rope_head_dim
+            query = (H * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * q_dims if self.q_lora_rank
+                     else H * heads * q_dims)
+            attention = (query + H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+                         + self.kv_lora_rank * heads * (self.head_dim + self.v_head_dim) + heads * self.v_head_dim * H)
+        else:
+            q, kv = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            attention = H * (q + 2 * kv) + q * H
+            if self.qkv_bias:
+                attention += q + 2 * kv
+            if self.qk_norm:
+                attention += 2 * self.head_dim
+        dense_mlp = 3 * H * self.ffn_hidden_size
+        moe_mlp = (self.num_experts * 3 * H * self.moe_ffn_hidden_size + self.num_experts * H  # routed experts, router
+                   + 3 * H * self.moe_shared_ffn_hidden_size)
+        dense = len(self.dense_layer_ids)
+        mlps = dense * dense_mlp + (self.num_layers - dense) * moe_mlp
+        embeddings = self.vocab_size * H * (1 if self.tie_embeddings else 2)
+        return self.num_layers * (attention + 2 * H) + mlps + embeddings + H
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ModelConfig":
@@ -336,7 +387,7 @@ class ParallelConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Divisibility rules between a layout and an architecture, checked before any process starts."""
         # Routed experts are not split over TP (expert tensor parallel 1); dense MLPs and shared experts are.
-        dense_mlp = not model.num_experts or model.moe_dense_layers
+        dense_mlp = bool(model.dense_layer_ids)
         for field, value in (("num_attention_heads", model.num_attention_heads),
                              ("num_kv_heads", model.num_kv_heads),
                              *((("ffn_hidden_size", model.ffn_hidden_size),) if dense_mlp else ()),
@@ -482,6 +533,9 @@ class RolloutConfig:
     # mixture-of-experts models: each sample comes with the experts the server routed its tokens to
     # (--enable-return-routed-experts); the trainer sets it for MoE models
     return_routed_experts: bool = False
+    # start with random weights (--load-format dummy; model_path needs a config.json alone): the trainer's first sync
+    # replaces them, so its engines start beside the SFT stage and the workers, not after them (set by the trainer)
+    random_weights: bool = False
     # samples one engine is sent at once by a generate call: a batched request, which SGLang's scheduler batches and
     # refills; more wait for it to end
     max_concurrency: int = 1024

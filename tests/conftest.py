@@ -12,6 +12,9 @@ from pathlib import Path
 
 if os.environ.get("RLHF_MC_GPU_TESTS") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# The multi-rank jobs' processes serve the next job of the same shape (runtime/spawn.py): each fresh one costs ~9 s of
+# process start and imports, most of a tiny model's job.
+os.environ.setdefault("RLHF_MC_KEEP_RANKS", "1")
 
 import psutil
 import pytest

@@ -49,6 +49,18 @@ def test_masked_whiten_ignores_masked_entries():
     close(out, [[-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0]], tol=1e-4)  # mean 2, unbiased std sqrt(2)
 
 
+def test_whitening_one_token_is_refused():
+    """GAE (and REINFORCE++) whiten over the batch's tokens: with a single valid token the std is undefined. Refused
+    with the count, as verl refuses it, where this returned a silent advantage of 0."""
+    rewards, values = t([[0.0, 1.0], [2.0, 0.0]]), t([[0.5, 0.2], [0.1, 0.3]])
+    with pytest.raises(ValueError, match="^masked_whiten: 1 masked-in entries; whitening needs at least 2"):
+        A.gae_advantages(rewards, values, t([[0, 1], [0, 0]]))
+    with pytest.raises(ValueError, match="masked_whiten: 0 masked-in entries"):
+        A.reinforce_pp_advantages(rewards, t([[0, 0], [0, 0]]))
+    adv, _ = A.gae_advantages(rewards, values, t([[0, 1], [1, 0]]))  # two tokens: +-1/sqrt(2)
+    assert sorted(adv[t([[0, 1], [1, 0]]).bool()].tolist()) == pytest.approx([-2 ** -0.5, 2 ** -0.5], abs=1e-6)
+
+
 def test_grpo():
     mask = torch.ones(4, 2)
     adv = A.grpo_advantages(t([1.0, 0.0, 1.0, 1.0]), t([0, 0, 1, 1]), mask)

@@ -39,8 +39,11 @@ def _write_hf_model(family: str, out: Path) -> None:
         "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**common)),  # qkv bias
         "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**common, tie_word_embeddings=True)),  # q/k norm, tied
         "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**common, sliding_window=None)),
-        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(  # 4 experts, top-2 renormalized
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+        # 4 experts, top-2 renormalized; layer 2 a dense MLP among the MoE layers (Megatron's per-layer pattern: at
+        # PP=2 the second stage holds a dense and an MoE layer)
+        "qwen3_moe": lambda: T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[2])),
         # DeepSeek-V3-style MoE: sigmoid router with a correction bias, 2 groups of 4 experts (1 chosen per token),
         # scaled weights, a shared expert, layer 0 dense; half the head dims rotated, q/k norms, qkv bias
         "glm4_moe": lambda: T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
@@ -225,6 +228,15 @@ def test_convert_roundtrip_at_expert_parallel_is_bitwise(hf_models, tmp_path):
     assert any(".mlp.experts.3.down_proj." in name for name in HFCheckpoint(hf).names())
     mcore = _roundtrip(hf, tmp_path, "--tp", "2", "--ep", "2")
     assert json.loads((mcore / "rlhf_mc.json").read_text())["saved_with"]["ep"] == 2
+    # scored at EP=2 (two ranks, two experts each): transformers' log-probs
+    sequences, scores = tmp_path / "seqs.jsonl", tmp_path / "scores.jsonl"
+    sequences.write_text("".join(json.dumps(seq) + "\n" for seq in TOKENS.tolist()))
+    result = _cli(str(ROOT / "tools" / "score.py"), "--ckpt", str(mcore), "--input", str(sequences),
+                  "--out", str(scores), "--ep", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = torch.tensor([json.loads(line)["logprobs"] for line in scores.read_text().splitlines()])
+    expected = torch.log_softmax(_hf_logits(hf), -1)[:, :-1].gather(-1, TOKENS[:, 1:, None])[..., 0]
+    assert (got - expected).abs().max().item() < 1e-4
     convert = str(ROOT / "tools" / "convert_checkpoint.py")
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "x"), "--ep", "3"))
     assert "ep: 3 does not divide model.num_experts=4" in line
@@ -253,8 +265,17 @@ def test_conversion_errors_are_one_line(hf_models, tmp_path):
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "c")))
     assert "architectures: ['GPT2LMHeadModel'] is not supported" in line
 
+    # a shard cut short (a download or copy that stopped): named with the reason before any rank starts
+    for f in hf.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    shard = sorted(broken.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(broken), "--out", str(tmp_path / "c")))
+    assert line == (f"error: {shard}: not a complete safetensors file (Error while deserializing header: incomplete "
+                    "metadata, file not fully covered)")
+
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d")))
-    assert "no config.json in" in line
+    assert line == f"error: {tmp_path / 'nowhere'}: no such directory"
     line = _error_line(_cli(convert, "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "e"), "--tp", "3"))
     assert "tp: 3 does not divide model.num_attention_heads=4" in line
     assert not any(p.name in "abcde" for p in tmp_path.iterdir())
@@ -270,12 +291,16 @@ def test_moe_config_translation(hf_models):
     hf = read_hf_config(hf_models["qwen3_moe"])
     model = model_config_from_hf(hf)
     assert (model.family, model.num_experts, model.moe_topk, model.moe_ffn_hidden_size, model.moe_norm_topk_prob,
-            model.qk_norm) == ("qwen3_moe", 4, 2, 32, True, True)
+            model.qk_norm, model.moe_dense_layers) == ("qwen3_moe", 4, 2, 32, True, True, (2,))
     published = {k: v for k, v in hf.items() if k != "num_local_experts"} | {"num_experts": 4}
     assert model_config_from_hf(published) == model == model_config_from_hf(hf_config_from_model(model))
-    for field, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
-        with pytest.raises(ConfigError, match=re.escape(f"{field}: {value} is not supported")):
-            model_config_from_hf({**hf, field: value})
+    # transformers' rule: layer i is MoE unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step != 0; a
+    # leading run of dense layers is DeepSeek's dense prefix (a number)
+    for only, step, dense in (([], 1, 0), ([0, 1], 1, 2), ([], 2, (0, 2)), ([3], 2, (0, 2, 3)), ([1, 3], 1, (1, 3))):
+        assert model_config_from_hf({**hf, "mlp_only_layers": only, "decoder_sparse_step": step}
+                                    ).moe_dense_layers == dense, (only, step)
+    with pytest.raises(ConfigError, match=re.escape("moe_dense_layers: 4 leaves no MoE layer of num_layers=4")):
+        model_config_from_hf({**hf, "decoder_sparse_step": 5})
 
     glm = read_hf_config(hf_models["glm4_moe"])
     model = model_config_from_hf(glm)

@@ -1,4 +1,5 @@
-"""The shipped model configs: each loads, and the real ones reproduce their published parameter counts."""
+"""The shipped model configs: each loads, and the real ones reproduce their published parameter counts
+(ModelConfig.num_parameters, counted from the architecture fields alone)."""
 
 from __future__ import annotations
 
@@ -23,35 +24,10 @@ PUBLISHED = {
 }
 
 
-def parameter_count(m: ModelConfig) -> int:
-    """Counted from the architecture fields alone, as the HF implementation lays the weights out."""
-    H, heads = m.hidden_size, m.num_attention_heads
-    if m.kv_lora_rank:  # multi-latent attention: latent projections and their norms
-        q_dims = m.head_dim + m.qk_rope_head_dim
-        query = (H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * q_dims if m.q_lora_rank
-                 else H * heads * q_dims)
-        attention = (query + H * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
-                     + m.kv_lora_rank * heads * (m.head_dim + m.v_head_dim) + heads * m.v_head_dim * H)
-    else:
-        q, kv = heads * m.head_dim, m.num_kv_heads * m.head_dim
-        attention = H * (q + 2 * kv) + q * H
-        if m.qkv_bias:
-            attention += q + 2 * kv
-        if m.qk_norm:
-            attention += 2 * m.head_dim
-    dense_mlp = 3 * H * m.ffn_hidden_size
-    moe_mlp = (m.num_experts * 3 * H * m.moe_ffn_hidden_size + m.num_experts * H  # routed experts, router
-               + 3 * H * m.moe_shared_ffn_hidden_size)
-    mlps = (m.moe_dense_layers * dense_mlp + (m.num_layers - m.moe_dense_layers) * moe_mlp if m.num_experts
-            else m.num_layers * dense_mlp)
-    embeddings = m.vocab_size * H * (1 if m.tie_embeddings else 2)
-    return m.num_layers * (attention + 2 * H) + mlps + embeddings + H
-
-
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_model_matches_published_size(name):
     config = ModelConfig.from_yaml(CONFIGS / f"{name}.yaml")
-    assert parameter_count(config) / 1e9 == pytest.approx(PUBLISHED[name], rel=2e-3)
+    assert config.num_parameters / 1e9 == pytest.approx(PUBLISHED[name], rel=2e-3)
 
 
 def test_every_config_loads_and_tiny_models_cover_each_family():

@@ -68,14 +68,15 @@ def two_nodes(tmp_path):
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_disaggregated_run_across_two_nodes(two_nodes, tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", "--address", two_nodes,
          f"trainer.output_dir={out}", "resources.nodes=2", "resources.devices_per_node=1",
-         "rollout.placement=disaggregated", "rollout.engine.num_engines=1", "sft.steps=20", "trainer.total_steps=3",
+         "rollout.placement=disaggregated", "rollout.engine.num_engines=1", "sft.data_path=", "trainer.total_steps=3",
          "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "actor.optim.lr=1e-3", "data.val_size=8",
-         "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:digits_right"],
+         "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     placement = json.loads((out / "placement.json").read_text())

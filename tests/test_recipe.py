@@ -4,11 +4,15 @@ every malformed recipe fails before anything starts, with one line naming the fi
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import torch
 
 from rlhf_mc.config import ConfigError
 from rlhf_mc.trainer.plan import make_plan
@@ -24,8 +28,37 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=REPO)
 
 
+def stand_ins(recipe_path: Path, tmp_path: Path) -> list[str]:
+    """Overrides that point a GPU recipe's missing inputs (/models/..., data/...) at stand-ins: an HF directory
+    with the config.json of the recipe's model.config and a (tiny) weights file, data files of the same format."""
+    from safetensors.torch import save_file
+
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+    from rlhf_mc.trainer.recipe import PATHS
+
+    recipe, overrides = load_recipe(recipe_path), []
+    for section, fields in PATHS.items():
+        for field in fields:
+            value = getattr(getattr(recipe, section), field)
+            if not value or Path(value).exists():
+                continue
+            stand_in = tmp_path / f"{section}_{field}{Path(value).suffix}"
+            if section == "model":
+                stand_in.mkdir()
+                (stand_in / "config.json").write_text(json.dumps(hf_config_from_model(model_config(recipe))))
+                save_file({"x": torch.zeros(1)}, stand_in / "model.safetensors")
+            elif stand_in.suffix == ".parquet":
+                pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), stand_in)
+            else:
+                stand_in.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+            overrides.append(f"{section}.{field}={stand_in}")
+    return overrides
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_shipped_recipes_dry_run(recipe):
+def test_shipped_recipes_dry_run(recipe, tmp_path):
+    """Every check a launch runs before Ray (inputs present and readable, HF configs matching model.config), the
+    plan and the placement; the GPU recipes' inputs are stand-ins."""
     import contextlib
     import io
 
@@ -34,9 +67,42 @@ def test_shipped_recipes_dry_run(recipe):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main([str(recipe), "--dry-run"]) == 0
+        assert main([str(recipe), "--dry-run", *stand_ins(recipe, tmp_path)]) == 0
     text = out.getvalue()
     assert "plan:" in text and "placement:" in text and "node 0 device 0: actor rank 0" in text
+
+
+def test_dry_run_runs_the_launch_checks(tmp_path):
+    """What the launch refuses before Ray, the dry run refuses too: a missing model.path, a data file of another
+    format, an HF directory whose weights are cut short or whose architecture is not supported."""
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+
+    recipe = REPO / "recipes" / "grpo_qwen2.5_7b_gsm8k.yaml"
+    overrides = stand_ins(recipe, tmp_path)
+    model_dir = Path(next(o for o in overrides if o.startswith("model.path=")).split("=", 1)[1])
+    csv = tmp_path / "train.csv"
+    csv.write_text("prompt,answer\n")
+    cases = [(["model.path=/nowhere/Qwen2.5-7B"], "error: model.path: not found: /nowhere/Qwen2.5-7B"),
+             ([f"data.train_path={csv}"], f"error: data.train_path: {csv} is not a .jsonl or .json or .parquet file")]
+    weights = model_dir / "model.safetensors"
+    for case in ("truncated", "unsupported"):
+        broken = tmp_path / case
+        broken.mkdir()
+        config = hf_config_from_model(model_config(load_recipe(recipe)))
+        if case == "unsupported":
+            config["architectures"] = ["GPT2LMHeadModel"]
+            (broken / "model.safetensors").write_bytes(weights.read_bytes())
+            reason = ("architectures: ['GPT2LMHeadModel'] is not supported (supported: "
+                      "LlamaForCausalLM, Qwen2ForCausalLM")
+        else:
+            (broken / "model.safetensors").write_bytes(weights.read_bytes()[:-2])
+            reason = f"{broken / 'model.safetensors'}: not a complete safetensors file"
+        (broken / "config.json").write_text(json.dumps(config))
+        cases.append(([f"model.path={broken}"], f"error: model.path: {broken}: {reason}"))
+    for extra, message in cases:
+        result = _launch(str(recipe), "--dry-run", *overrides, *extra)
+        assert result.returncode == 2 and result.stderr.startswith(message), (extra, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_real_scale_plans():
@@ -115,6 +181,9 @@ BAD = [
     (["trainer.total_step=3"], "trainer.total_step: unknown key"),
     (["rollout.n"], "override 'rollout.n': expected key=value"),
     (["rollout.n=1"], "rollout.n: 1 with algorithm.estimator=grpo leaves every group without a baseline"),
+    (["rollout.n=1", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", "resources.devices_per_node=1",
+      "rollout.engine.num_engines=1", "algorithm.estimator=gae"],
+     "data.train_batch_size: 1 prompt(s) x rollout.n=1 = 1 sequence a step: algorithm.estimator=gae whitens"),
     (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size: 5 does not divide data.train_batch_size=32"),
     (["actor.ppo_mini_batch_size=1", "rollout.n=2", "resources.devices_per_node=4"],
      "actor.ppo_mini_batch_size: 1 prompts x rollout.n=2 = 2 sequences do not divide over actor data-parallel "
@@ -267,6 +336,11 @@ def test_recipe_file_errors(tmp_path):
         load_recipe(bad)
     with pytest.raises(ConfigError, match="config file not found"):
         load_recipe(tmp_path / "missing.yaml")
+    # a syntax error: one line with the file, line and column (where YAML found it), no traceback
+    bad.write_text("model:\n  config: model_configs/tiny-arith.yaml\n  tokenizer: [recipes/data/arith\ndata: {}\n")
+    result = _launch(str(bad))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {bad}:4:5: not valid YAML (expected ',' or ']', but got ':')"), result.stderr
 
 
 def test_placed_groups_must_lie_on_one_node():

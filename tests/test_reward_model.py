@@ -59,7 +59,7 @@ def test_recipe_refuses_non_reward_checkpoint(tmp_path, tiny_hf_model):
     write_reward_model(tmp_path / "two_labels", num_labels=2)
     for path, message in ((tiny_hf_model, "is not a one-label sequence-classification checkpoint"),
                           (tmp_path / "two_labels", "is not a one-label sequence-classification checkpoint"),
-                          (tmp_path / "none", "reward.model: no HF checkpoint")):
+                          (tmp_path / "none", f"reward.model: not found: {tmp_path / 'none'}")):
         result = subprocess.run([sys.executable, "tools/launch.py", "recipes/quickstart.yaml",
                                  f"trainer.output_dir={tmp_path / 'run'}", f"reward.model={path}"],
                                 cwd=repo, capture_output=True, text=True, timeout=120)

@@ -240,7 +240,8 @@ def test_a_dead_engine_fails_its_sync_and_is_synced_after_its_restart(sglang_eng
         sglang_engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
 
 
-@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1), ("tensor", 2)])
+@pytest.mark.parametrize("transport, engine_tp", [("tensor", 1), ("distributed", 1), ("disk", 1),
+                                                  pytest.param("tensor", 2, marks=pytest.mark.slow)])
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
     results = _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
@@ -257,6 +258,7 @@ def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model,
         assert all(any(staging.decode() in m.path for m in p.memory_maps()) for p in schedulers)
 
 
+@pytest.mark.slow
 def test_sync_from_an_expert_parallel_actor(tmp_path):
     """DeepSeek-V3 (multi-latent attention, 8 experts in 2 groups with a correction bias, a shared expert, a dense
     first layer) at EP=2 x PP=2: every expert reaches the engine (broadcast from the EP rank that holds it) under its
@@ -276,6 +278,7 @@ def test_sync_from_an_expert_parallel_actor(tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_colocated_engines_are_fed_by_the_ranks_on_their_devices(sglang_engine, engine_tp2, tiny_hf_model,
                                                                  tmp_path):
     """ColocatedTensors (the GPU path; connect takes SharedStaging on one CPU host), two colocated engines on one

@@ -1,12 +1,14 @@
 """Per-token log-probs of given token sequences under a checkpoint, at a given TP/PP.
 
-    python tools/score.py --ckpt DIR --input seqs.jsonl --out scores.jsonl [--tp N --pp N]
+    python tools/score.py --ckpt DIR --input seqs.jsonl --out scores.jsonl [--tp N --pp N --ep N]
 
 DIR is an HF checkpoint directory or a distributed checkpoint from tools/convert_checkpoint.py. Each input line is a
 JSON list of token ids (or {"tokens": [...]}); each output line is {"logprobs": [...]}, where entry i is
 log p(token[i+1] | token[:i+1]) under the model (fp32 unless the checkpoint says otherwise), so len(tokens) - 1
-values. Computed without gathering the vocabulary (Megatron's vocab-parallel cross entropy). The TP x PP ranks take a
-GPU each where the machine has enough, else they run on the CPU (gloo); --device forces one.
+values. Computed without gathering the vocabulary (Megatron's vocab-parallel cross entropy). --ep splits a
+mixture-of-experts model's experts (EP beyond TP takes data-parallel ranks, as in training: tp*pp times
+ep/gcd(ep, tp) ranks). The ranks take a GPU each where the machine has enough, else they run on the CPU (gloo);
+--device forces one.
 """
 
 from __future__ import annotations
@@ -83,19 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel (mixture-of-experts models)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                         help="auto: a GPU per rank when there are enough, else the CPU")
     args = parser.parse_args(argv)
     try:
         model, _ = checkpoint_model_config(args.ckpt)
-        parallel = ParallelConfig(tp=args.tp, pp=args.pp)
+        parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep)
         parallel.check_model(model)
-        spawn_device(parallel.model_parallel_size, args.device)
+        parallel.dp(parallel.min_world_size)  # EP must divide the ranks of a stage
+        spawn_device(parallel.min_world_size, args.device)
         sequences = read_sequences(args.input, model.vocab_size, model.max_position_embeddings)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = [r for r in spawn(score, parallel.model_parallel_size, args.ckpt, sequences, parallel,
+    results = [r for r in spawn(score, parallel.min_world_size, args.ckpt, sequences, parallel,
                                 device=args.device) if r is not None]
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("".join(json.dumps({"logprobs": lp}) + "\n" for lp in results[0]))

@@ -14,8 +14,12 @@ command -v "$PY" >/dev/null || PY=python3
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip_install() {
-  # This machine's pip config lists local indexes that lack most projects; pip warns once per such project.
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+  # This machine's pip config lists local indexes that lack most projects; pip warns once per such project. And
+  # pip's check after each install lists SGLang's CUDA-only requirements, left out on purpose
+  # (requirements/sglang-cpu.txt): those lines are dropped, any other conflict is printed.
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v -e "is ignored: it is neither" \
+    -e "^sglang [0-9.]* requires .*, which is not installed\.$" -e "^ERROR: pip's dependency resolver does not" \
+    -e "^This behaviour is the source of the following dependency conflicts\.$" >&2)
 }
 # Torch first and pinned: anything that lets pip choose it freely downloads a multi-GB CUDA build.
 pip_install torch==2.14.1 torchvision==0.29.1

@@ -33,9 +33,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked-in entries only (unbiased variance); masked positions become 0."""
+    """(x - mean) / std over the masked-in entries only (unbiased variance); masked positions become 0.
+
+    Fewer than two masked-in entries raise ValueError, as verl does: the unbiased std of one value is 0/0, and
+    centering it gives 0, a silent zero advantage (what this returned before). A run cannot reach it: the plan
+    refuses a whitening estimator with fewer than two sequences a step, and every response has a token."""
     mask = mask.bool()
     count = mask.sum()
+    if count < 2:
+        raise ValueError(f"masked_whiten: {int(count)} masked-in entries; whitening needs at least 2 (the std of "
+                         "one value is undefined)")
     mean = masked_mean(x, mask)
     var = masked_sum((x - mean) ** 2, mask) / (count - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)

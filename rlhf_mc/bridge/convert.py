@@ -39,6 +39,22 @@ def model_config_for_hf(hf_dir: str | Path, model_config: str | Path | None = No
     return model
 
 
+def check_hf_checkpoint(hf_dir: str | Path, model_config: str | Path | ModelConfig | None = None) -> ModelConfig:
+    """What loading an HF checkpoint directory would refuse, found without loading it: no directory or config.json,
+    an unreadable config, an unsupported architecture, a config that differs from `model_config` (a YAML or a
+    ModelConfig), a missing, truncated or foreign weight file (every shard's header is read against its size).
+    Returns the model config; raises ConfigError, FileNotFoundError or ValueError naming the path and the reason."""
+    if not Path(hf_dir).is_dir():
+        raise FileNotFoundError(f"{hf_dir}: no such directory")
+    if isinstance(model_config, ModelConfig):
+        model = model_config
+        check_matches(model, read_hf_config(hf_dir))
+    else:
+        model = model_config_for_hf(hf_dir, model_config)
+    HFCheckpoint(hf_dir)
+    return model
+
+
 def read_metadata(ckpt: str | Path) -> tuple[ModelConfig, str]:
     """(model config, dtype) of a checkpoint written by hf_to_mcore."""
     path = Path(ckpt) / METADATA
@@ -75,9 +91,8 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, parallel: ParallelConfig, d
     """`device`: where the ranks of the layout run (runtime.spawn: GPUs when there is one per rank, else the CPU)."""
     hf_dir, out = Path(hf_dir), Path(out)
     _check_new_output(out)
-    model = model_config_for_hf(hf_dir, model_config)
+    model = check_hf_checkpoint(hf_dir, model_config)
     parallel.check_model(model)
-    HFCheckpoint(hf_dir)  # opens every shard: a missing file fails here
     spawn(_hf_to_mcore_worker, parallel.min_world_size, str(hf_dir), str(out), model, parallel, dtype, progress,
           device=device)
     return out

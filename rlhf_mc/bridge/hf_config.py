@@ -37,7 +37,13 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {hf_dir}")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
@@ -104,14 +110,14 @@ def model_config_from_hf(hf: dict, name: str = "") -> ModelConfig:
 
 def _qwen3_moe(hf: dict) -> dict:
     """Qwen3-MoE's expert fields (published configs say num_experts, transformers 5 writes num_local_experts).
-    Dense layers between the MoE ones are refused: every layer's MLP is routed in the Megatron model."""
-    if hf.get("mlp_only_layers"):
-        raise ConfigError(f"mlp_only_layers: {hf['mlp_only_layers']} is not supported (every layer an MoE layer)")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise ConfigError(f"decoder_sparse_step: {hf['decoder_sparse_step']} is not supported (1: every layer an MoE "
-                          "layer)")
+    Layer i is an MoE layer when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (transformers'
+    Qwen3MoeDecoderLayer); the others are dense MLPs of intermediate_size: a leading run of them is moe_dense_layers
+    N (as DeepSeek's), any other set the list of their indices."""
+    step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step)
     return dict(num_experts=hf.get("num_experts") or hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
-                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")))
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_norm_topk_prob=bool(hf.get("norm_topk_prob")),
+                moe_dense_layers=dense)
 
 
 def _deepseek_moe(hf: dict) -> dict:
@@ -194,7 +200,7 @@ def hf_config_from_model(model: ModelConfig, dtype: str = "float32") -> dict:
     if model.family == "qwen3_moe":
         config.update(num_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
                       moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,
-                      decoder_sparse_step=1, mlp_only_layers=[])
+                      decoder_sparse_step=1, mlp_only_layers=list(model.dense_layer_ids))
     if model.family in ("glm4_moe", "deepseek_v3"):
         config.update(n_routed_experts=model.num_experts, num_experts_per_tok=model.moe_topk,
                       moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.moe_norm_topk_prob,

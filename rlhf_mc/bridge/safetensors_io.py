@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
@@ -20,6 +20,14 @@ SINGLE = "model.safetensors"
 # Files copied through from an HF checkpoint directory to an export (tokenizer, generation settings, ...).
 PASSTHROUGH = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+def _open(path: Path):
+    """safe_open, its header checked against the file's size: a truncated or foreign file is a ValueError naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a complete safetensors file ({e})") from None
 
 
 class HFCheckpoint:
@@ -31,14 +39,13 @@ class HFCheckpoint:
         if index.is_file():
             self.file_of = json.loads(index.read_text())["weight_map"]
         elif (self.dir / SINGLE).is_file():
-            with safe_open(self.dir / SINGLE, framework="pt") as f:
-                self.file_of = {name: SINGLE for name in f.keys()}
+            self.file_of = {name: SINGLE for name in _open(self.dir / SINGLE).keys()}
         else:
             raise FileNotFoundError(f"no {INDEX} or {SINGLE} in {self.dir}")
         missing = sorted({f for f in self.file_of.values() if not (self.dir / f).is_file()})
         if missing:
             raise FileNotFoundError(f"missing shard file {self.dir / missing[0]} (listed in {INDEX})")
-        self._files = {f: safe_open(self.dir / f, framework="pt") for f in sorted(set(self.file_of.values()))}
+        self._files = {f: _open(self.dir / f) for f in sorted(set(self.file_of.values()))}
 
     def _slice(self, name: str):
         if name not in self.file_of:

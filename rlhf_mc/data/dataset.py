@@ -13,6 +13,9 @@ import torch
 from rlhf_mc.config import ConfigError
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # the files read_rows reads
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     row: int  # index of the row in the file
@@ -27,8 +30,8 @@ def read_rows(path: str | Path) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    if path.suffix not in (".jsonl", ".json"):
-        raise ConfigError(f"{path}: expected a .jsonl or .parquet file")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ConfigError(f"{path}: expected a {' or '.join(DATA_SUFFIXES)} file")
     rows = []
     with open(path) as f:
         for i, line in enumerate(f):

@@ -84,7 +84,7 @@ def moe_fields(model: ModelConfig, router: RouterConfig, use_te: bool) -> dict:
         moe_router_group_topk=model.moe_group_topk if model.moe_groups > 1 else None,
         moe_router_topk_scaling_factor=model.moe_routed_scaling if model.moe_routed_scaling != 1 else None,
         moe_shared_expert_intermediate_size=model.moe_shared_ffn_hidden_size or None,
-        moe_layer_freq=[0] * model.moe_dense_layers + [1] * (model.num_layers - model.moe_dense_layers),
+        moe_layer_freq=[int(i not in model.dense_layer_ids) for i in range(model.num_layers)],
         moe_router_dtype="fp32",
         expert_tensor_parallel_size=1,
         moe_grouped_gemm=use_te,

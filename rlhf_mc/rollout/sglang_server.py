@@ -88,6 +88,8 @@ class ServerProcess:
             cmd += ["--enable-deterministic-inference"]
         if cfg.return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        if cfg.random_weights:
+            cmd += ["--load-format", "dummy"]
         if cpu.on_cpu():
             cmd += cpu.server_args(cfg.max_total_tokens, cfg.mem_fraction_static)
         else:

@@ -133,10 +133,12 @@ class SharedStaging:
             return None
         return SendResult([e for e in targets if e not in failed], failed)
 
-    def unlink_staging(self) -> None:
-        """Before the kill that ends the run: removes the staging's shared-memory file (rank 0 made it)."""
+    def unlink_staging(self) -> torch.Tensor | None:
+        """At the end of the run: removes the staging's shared-memory file (rank 0 made it); returns the staging,
+        which the caller must never release (rollout.sglang_engine.unlink_staging)."""
         if self.staging is not None and dist.get_rank() == 0:
             unlink_staging(self.staging)
+        return self.staging
 
     def _share(self, nbytes: int) -> None:
         """Makes the staging (rank 0) and maps it on every rank, once per size (collective)."""
@@ -198,10 +200,12 @@ class ColocatedTensors:
             return None
         return SendResult([] if error else [self.engine], {self.engine: error} if error else {})
 
-    def unlink_staging(self) -> None:
-        """Before the kill that ends the run: removes the CPU staging's shared-memory file."""
+    def unlink_staging(self) -> torch.Tensor | None:
+        """At the end of the run: removes the CPU staging's shared-memory file; returns the staging, which the
+        caller must never release (rollout.sglang_engine.unlink_staging)."""
         if self.staging is not None:
             unlink_staging(self.staging)
+        return self.staging
 
     def _staging(self, bucket) -> torch.Tensor | None:
         if not cpu.on_cpu():

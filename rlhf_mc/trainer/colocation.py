@@ -36,11 +36,6 @@ class ColocationSchedule:
         self.actor_version = None  # the version of the weights the actor holds
         self._actor = threading.RLock()  # held by whoever calls the actor (trainer/loop.py, restore_engine)
 
-    def engines_launched(self) -> None:
-        """Right after the engines start: they give their memory back until the first sync wants it."""
-        if self.release_engines:
-            self.cluster.engines_call("release_memory")
-
     def actor_in_use(self) -> threading.RLock:
         """Held around the trainer's calls of the actor; a restore waits for it."""
         return self._actor

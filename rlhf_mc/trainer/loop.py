@@ -107,6 +107,13 @@ def _hf_config(recipe: Recipe, model, tokenizer) -> dict:
     return config
 
 
+def _config_only(out: Path, hf_config: dict) -> str:
+    """A directory with `hf_config` as its config.json alone: what engines with random weights start from."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
+    return str(out)
+
+
 def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_config: dict, tokenizer_dir: str,
             logger: MetricsLogger, stop: Stop) -> bool:
     """SFT on recipe.sft.data_path from the initial weights (the RL warm start, or the whole job with sft.only);
@@ -119,6 +126,7 @@ def run_sft(recipe: Recipe, cluster: Cluster, model, tokenizer, out: Path, hf_co
     if recipe.model.path:
         group.load_hf(recipe.model.path)
     group.setup_optimizer(sft.optim)
+    logger.phase("sft")
     rng = random.Random(recipe.trainer.seed)
     stop.in_steps = True
     with tqdm(total=sft.steps, desc="sft", dynamic_ncols=True, disable="console" not in recipe.trainer.loggers) as bar:
@@ -169,29 +177,41 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
     logger = MetricsLogger(run_dir, recipe.trainer.loggers, total_steps, trainer_state["step"], to_dict(recipe),
                            recipe.trainer.project, recipe.trainer.experiment)
     stop = stop or Stop()
+    logger.phase("start ray")
     cluster = Cluster(recipe, plan, address)
     try:
         nodes = cluster.bundle_nodes()
         (run_dir / "placement.json").write_text(json.dumps(
             [{**row, "bundle": i, "ray_node": nodes[i]} for i, row in enumerate(plan.placement)], indent=1))
-        # The initial weights, as an HF checkpoint the engines start from (and the reference, when used).
+        # The initial weights, an HF checkpoint: the source's, the SFT stage's, or the actor's random init.
         hf_config = _hf_config(recipe, model, tokenizer)
         init_hf = run_dir / "init_hf"
-        if not init_hf.is_dir():
-            if recipe.sft.data_path:
-                if not run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger, stop):
-                    return logger.last
-            elif recipe.model.path:
-                init_hf = Path(recipe.model.path)
-            else:
-                group = cluster.worker_group("init", model, recipe.actor.parallel)
-                group.export_hf(str(init_hf), hf_config, tokenizer_dir)
-                group.shutdown()
+        # weights that exist before this launch's SFT stage and workers (None: made by them)
+        start_from = str(init_hf) if init_hf.is_dir() else None if recipe.sft.data_path else recipe.model.path or None
+        if not recipe.sft.only:
+            # The engines start first and at once (~30-40 s of SGLang's imports on a CPU): beside the SFT stage and
+            # the workers, from the weights when they exist, else from the config with random weights, which the
+            # step-0 sync replaces (every run syncs before its first rollout).
+            logger.phase("start engines")
+            engine_from = start_from or _config_only(run_dir / "engine_config", hf_config)
+            cluster.launch_engines(engine_from, run_dir / "logs", routed_experts=bool(model.num_experts),
+                                   random_weights=start_from is None)
+            if plan.engines_release_memory:
+                # GPUs shared with the trainer: the engines take their memory and give it back before any worker
+                # allocates
+                cluster.engine_addresses()
+                cluster.engines_call("release_memory")
+        if start_from is None and recipe.sft.data_path:
+            if not run_sft(recipe, cluster, model, tokenizer, init_hf, hf_config, tokenizer_dir, logger, stop):
+                return logger.last
         if recipe.sft.only:
             return logger.last
-        addresses = cluster.start_engines(str(init_hf), run_dir / "logs", routed_experts=bool(model.num_experts))
+        logger.phase("start workers")
         actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
                                      router=recipe.actor.router)
+        if not init_hf.is_dir() and not recipe.model.path:  # random init: the actor's, for the roles that load it
+            actor.export_hf(str(init_hf), hf_config, tokenizer_dir)
+        init_hf = init_hf if init_hf.is_dir() else Path(recipe.model.path)
         reference = actor
         if recipe.uses_reference and recipe.ref.placement == "separate":
             # routing replay as the actor's, in the reference's forward passes too
@@ -205,7 +225,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                      if group is not None and group is not actor and on]
         schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated,
                                       plan.engines_release_memory)
-        schedule.engines_launched()
+        logger.phase("load weights")
         actor.load_hf(str(init_hf))
         if recipe.uses_reference:
             actor.keep_reference()
@@ -220,8 +240,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             if critic:
                 critic.load(str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
-        actor.connect_engines(addresses, plan.sync_transport, r.sync_bucket_mb * 2**20, cluster.engine_ranks(),
-                              str(init_hf))
+        logger.phase("wait for engines")
+        actor.connect_engines(cluster.engine_addresses(), plan.sync_transport, r.sync_bucket_mb * 2**20,
+                              cluster.engine_ranks(), str(init_hf))
         reward_model = None
         if recipe.reward.model:
             reward_path = recipe.reward.model
@@ -238,6 +259,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             return metrics
         schedule.finish()
         if recipe.trainer.export_hf:
+            logger.phase("export")
             shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
             actor.export_hf(str(run_dir / "final_hf"), hf_config, tokenizer_dir)
         return metrics
@@ -262,8 +284,8 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
     # the reference's own worker group, or its weights swapped into the actor's modules
     ref_logprobs = reference.logprobs if reference is not actor else actor.ref_logprobs
-    schedule.before_rollout(step, Timer())  # the engines hold the actor's weights, version = step
-    timer, metrics = Timer(), {}
+    schedule.before_rollout(step, Timer(logger.phase))  # the engines hold the actor's weights, version = step
+    timer, metrics = Timer(logger.phase), {}
     stop.in_steps = True
     if val_prompts and step == 0:
         logger.log(0, rollouts.validate(val_prompts))
@@ -282,7 +304,7 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
         more_prompts = functools.partial(_more_prompts, train_prompts, data.train_batch_size, trainer.seed, for_step)
 
         def rollout():
-            times, start = Timer(), time.perf_counter()
+            times, start = Timer(logger.phase), time.perf_counter()
             batch, stats = rollouts.sample(step_prompts(for_step), sampling, for_step, more_prompts, times)
             busy.append((start, time.perf_counter()))
             return batch, stats, times.times
@@ -297,7 +319,7 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
 
     def streamed(for_step: int) -> tuple:
         prompts, samples, span = stream.take(for_step)
-        times = Timer()
+        times = Timer(logger.phase)
         batch, stats = rollouts.sample(prompts, sampling, for_step, None, times, samples)
         return batch, stats, {**times.times, "timing/rollout_s": span}
 
@@ -361,7 +383,7 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
                        **_idle(timer.times, stream.busy_since(started) if stream else busy, started,
                                time.perf_counter()),
                        **{f"rollout/{k}": v for k, v in cluster.engine_stats().items()})
-        timer = Timer()
+        timer = Timer(logger.phase)
         if val_prompts and ((trainer.val_interval and step % trainer.val_interval == 0) or step == total_steps):
             metrics.update(rollouts.validate(val_prompts))
         logger.log(step, metrics)

@@ -5,29 +5,39 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from rlhf_mc.runtime.console import FILE_ONLY
+
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
+
+log = logging.getLogger("rlhf_mc.trainer")
 
 KEY_NUMBERS = ("reward/mean", "val/accuracy", "actor/kl_ref", "actor/entropy", "response/length_mean",
                "timing/step_s")
 
 
 class Timer:
-    """`with timer("rollout"):` adds timing/rollout_s."""
+    """`with timer("rollout"):` adds timing/rollout_s; `on_phase(name)` is told of each phase as it starts."""
 
-    def __init__(self):
+    def __init__(self, on_phase: Callable[[str], None] | None = None):
         self.times: dict[str, float] = {}
+        self.on_phase = on_phase
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
+        if self.on_phase:
+            self.on_phase(phase)
         start = time.perf_counter()
         try:
             yield
@@ -112,6 +122,23 @@ class MetricsLogger:
         self.bar = tqdm(total=total_steps, initial=first_step, desc="steps", dynamic_ncols=True,
                         disable="console" not in loggers)
         self.last: dict[str, float] = {}
+        self.status_file, self.step, self.phase_name = run_dir / "status.json", first_step, ""
+        self._status_lock = threading.Lock()  # phases start in the trainer's thread and the rollouts'
+
+    def phase(self, name: str) -> None:
+        """The phase under way (the latest started, rollout-thread phases included): shown on the progress bar and
+        written to <run_dir>/status.json (steps done, phase, the launcher's pid), for whoever watches the run."""
+        log.info("phase %s (step %d done)", name, self.step, extra=FILE_ONLY)
+        with self._status_lock:
+            self.phase_name = name
+            self._postfix(refresh=True)
+            tmp = self.status_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": self.step, "phase": name, "pid": os.getpid()}))
+            tmp.replace(self.status_file)
+
+    def _postfix(self, refresh: bool) -> None:
+        numbers = {k.split("/", 1)[1]: f"{self.last[k]:.3g}" for k in KEY_NUMBERS if k in self.last}
+        self.bar.set_postfix({**numbers, **({"phase": self.phase_name} if self.phase_name else {})}, refresh=refresh)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -131,10 +158,10 @@ class MetricsLogger:
             now_ms = int(time.time() * 1000)
             client.log_batch(run_id, metrics=[Metric(_mlflow_name(k), v, now_ms, step) for k, v in metrics.items()])
         self.last.update(metrics)
-        self.bar.set_postfix({k.split("/", 1)[1]: f"{self.last[k]:.3g}" for k in KEY_NUMBERS if k in self.last},
-                             refresh=False)
+        self._postfix(refresh=False)
 
     def advance(self) -> None:
+        self.step += 1
         self.bar.update(1)
 
     def close(self) -> None:

@@ -35,7 +35,8 @@ def start_ray(address: str | None, plan: Plan) -> None:
     device (ranks on a CPU machine take a CPU each, whatever the core count). The caller's SIGTERM handler stays:
     Ray's driver puts one in place that aborts the process, which would skip every clean-up. The workers of a local
     CPU instance get host.exec_env (MKL's AVX-512 kernels on an AMD CPU; a cluster's nodes would each need the
-    library this node built)."""
+    library this node built). The workers' output is not streamed to the driver's console: each rank and engine
+    writes its own into the run's logs/ folder (console.output_to)."""
     import ray
 
     if ray.is_initialized():
@@ -46,10 +47,10 @@ def start_ray(address: str | None, plan: Plan) -> None:
         env["env_vars"].update(host.exec_env(os.environ))
     on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         cpus = max(os.cpu_count() or 1, plan.devices + 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True,
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=False,
                  _temp_dir=os.environ.get("RLHF_MC_RAY_TMP"))
     if on_term is not None:
         signal.signal(signal.SIGTERM, on_term)
@@ -83,7 +84,8 @@ class WorkerGroup:
 
     def __init__(self, name: str, pg, bundles: list[int], model: ModelConfig, parallel: ParallelConfig, dtype: str,
                  seed: int, gpu: bool, recompute: str = "none", value_head: bool = False,
-                 router: RouterConfig = RouterConfig()):
+                 router: RouterConfig = RouterConfig(), log_dir: Path | None = None):
+        """`log_dir`: each rank's output goes to <log_dir>/<name>-rank<r>.log."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -99,7 +101,8 @@ class WorkerGroup:
         world = len(bundles)
         self.workers = [remote(name=f"{name}-rank{rank}", num_cpus=share, num_gpus=share if gpu else 0,
                                scheduling_strategy=strategy(b)).remote(
-            rank, world, model, parallel, dtype, seed, recompute, value_head, router)
+            rank, world, model, parallel, dtype, seed, recompute, value_head, router,
+            str(log_dir / f"{name}-rank{rank}.log") if log_dir else None)
             for rank, b in enumerate(bundles)]
         master = ray.get(self.workers[0].store_address.remote())
         self.layout: list[RankLayout] = [RankLayout(**x) for x in self._call("start", master)]
@@ -221,13 +224,10 @@ class WorkerGroup:
         return self._by_share("update", per_rank, kind, **kwargs)[self.reporter]
 
     def shutdown(self) -> None:
-        """Kills the workers, first removing the shared memory a kill would leave behind."""
+        """Ends the workers (ModelWorker.exit: their shared memory removed first); kills what did not end in 10 s."""
         import ray
 
-        try:
-            ray.get([w.unlink_shared_memory.remote() for w in self.workers], timeout=10)
-        except Exception:  # noqa: BLE001 - best effort on the way out (a worker may be dead already)
-            pass
+        ray.wait([w.exit.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
         for w in self.workers:
             ray.kill(w)
         self.workers = []
@@ -241,7 +241,9 @@ class EngineWorker:
                  colocated: bool = False, first_slot: int = 0, slots_on_host: int = 1):
         """`first_slot`: the engine's first device slot on its node of `slots_on_host` (its cores on CPU)."""
         from rlhf_mc.rollout.sglang_engine import SGLangEngine
+        from rlhf_mc.runtime import console
 
+        console.output_to(Path(log_dir) / "engine_worker.log")
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         self.engine = SGLangEngine(dataclasses.replace(cfg, num_engines=1, host=host), log_dir=log_dir,
@@ -354,19 +356,23 @@ class Cluster:
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
                      recompute: str = "none", router: RouterConfig = RouterConfig()) -> WorkerGroup:
         group = WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
-                            self.recipe.trainer.seed, self.gpu, recompute, value_head, router)
+                            self.recipe.trainer.seed, self.gpu, recompute, value_head, router,
+                            Path(self.recipe.trainer.output_dir) / "logs")
         self.groups.append(group)
         return group
 
-    def start_engines(self, model_path: str, log_dir: Path, routed_experts: bool = False) -> list[str]:
-        """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses); returns
-        their addresses. Servers listen on 127.0.0.1 unless the run spans nodes. `routed_experts`: samples come with
-        the experts their tokens were routed to (mixture-of-experts models)."""
+    def launch_engines(self, model_path: str, log_dir: Path, routed_experts: bool = False,
+                       random_weights: bool = False) -> None:
+        """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses) without
+        waiting for them (engine_addresses waits). Servers listen on 127.0.0.1 unless the run spans nodes.
+        `routed_experts`: samples come with the experts their tokens were routed to (mixture-of-experts models).
+        `random_weights`: `model_path` holds a config alone; the servers start with random weights, which the
+        first sync replaces."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path,
-                                  return_routed_experts=routed_experts)
+                                  return_routed_experts=routed_experts, random_weights=random_weights)
         # generate calls at once: one rollout (sync modes) or every group the staleness bound admits (async), and
         # the driver's control calls beside them
         r = self.recipe.rollout
@@ -384,7 +390,8 @@ class Cluster:
                     raise ConfigError(f"rollout.engine.addresses: the server at {address} holds {tokens} tokens a "
                                       f"sequence, fewer than data.max_prompt_length + data.max_response_length = "
                                       f"{longest}")
-            return ray.get([engine.address.remote() for engine in self.engines])
+            self._addresses = [engine.address.remote() for engine in self.engines]
+            return
         spans_nodes = len(set(self.slot_nodes)) > 1
         per_node = self.recipe.resources.devices_per_node
         for e, (first, n) in enumerate(self.plan.engines):
@@ -399,7 +406,13 @@ class Cluster:
             self.engines.append(remote(num_cpus=0.05, max_concurrency=calls, scheduling_strategy=strategy).remote(
                 engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated, first % per_node,
                 per_node))
-        return ray.get([engine.address.remote() for engine in self.engines])
+        self._addresses = [engine.address.remote() for engine in self.engines]
+
+    def engine_addresses(self) -> list[str]:
+        """The launched engines' addresses, once they serve."""
+        import ray
+
+        return ray.get(self._addresses)
 
     def engine_ranks(self) -> list[list[int]] | None:
         """Colocated: the trainer ranks on each engine's devices (rank r sits on slot r), in its TP rank order."""

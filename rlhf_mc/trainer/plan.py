@@ -9,6 +9,7 @@ import inspect
 from pathlib import Path
 
 from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
+from rlhf_mc.data.dataset import DATA_SUFFIXES
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -134,6 +135,11 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
             raise ConfigError(f"{role}.parallel.tp: {section.parallel.tp} with a mixture-of-experts model: Megatron "
                               "trains MoE with TP only with sequence parallelism, whose norms need Transformer Engine "
                               "(GPU); on CPU use tp=1 (and ep to split the experts)")
+    if model.family == "qwen3_moe" and model.dense_layer_ids:
+        raise ConfigError(f"model: a Qwen3-MoE model with dense layers {list(model.dense_layer_ids)} (mlp_only_layers / "
+                          "decoder_sparse_step): SGLang 0.5.23 serves every Qwen3-MoE layer as an MoE layer "
+                          "(sglang/srt/models/qwen3_moe.py), so the engines cannot serve it; the bridge, "
+                          "tools/convert_checkpoint.py and tools/score.py take it")
     ref_world = train_devices if separate_ref else 0
     if separate_ref:
         _in_section("ref.parallel.", recipe.ref.parallel.check_model, model)
@@ -148,6 +154,12 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
         raise ConfigError(f"rollout.n: 1 with algorithm.estimator={recipe.algorithm.estimator} leaves every group "
                           "without a baseline (a group of one keeps its raw score: REINFORCE); use n >= 2, or "
                           "estimator=reinforce_pp for REINFORCE with a batch baseline")
+    sequences = recipe.data.train_batch_size * recipe.rollout.n
+    if sequences < 2 and recipe.algorithm.estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+        raise ConfigError(f"data.train_batch_size: {recipe.data.train_batch_size} prompt(s) x rollout.n="
+                          f"{recipe.rollout.n} = {sequences} sequence a step: algorithm.estimator="
+                          f"{recipe.algorithm.estimator} whitens its advantages over the step's tokens, which needs "
+                          "at least 2 sequences")
     if recipe.algorithm.dynamic_sampling_max_rounds and (
             recipe.rollout.n < 2 or recipe.algorithm.estimator not in ("grpo", "rloo", "reinforce_pp_baseline")):
         raise ConfigError(f"algorithm.dynamic_sampling_max_rounds: dynamic sampling drops groups of equal scores; "
@@ -228,34 +240,51 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 placement=placement)
 
 
-def check_launch(recipe: Recipe) -> None:
-    """What --dry-run does not check (it may run away from the data): input files exist, the reward function,
-    rollout function and group filter import, the checkpoint to resume from is complete."""
+def check_launch(recipe: Recipe, model: ModelConfig) -> None:
+    """The checks of the recipe's inputs, before Ray starts (--dry-run runs them too): input files exist and are of
+    a format the run reads, HF checkpoints are complete and of a supported architecture (and match model.config
+    when both are given), the reward function, rollout function and group filter import, the checkpoint to resume
+    from is complete."""
     from rlhf_mc.rewards.scoring import resolve
     from rlhf_mc.trainer.checkpoints import resume_from
 
+    for section, fields in PATHS.items():
+        for field in fields:
+            value = getattr(getattr(recipe, section), field)
+            if value and not Path(value).exists():
+                raise ConfigError(f"{section}.{field}: not found: {value}")
+    for field, value in (("data.train_path", recipe.data.train_path), ("data.val_path", recipe.data.val_path),
+                         ("sft.data_path", recipe.sft.data_path)):
+        if value and Path(value).suffix not in DATA_SUFFIXES:
+            raise ConfigError(f"{field}: {value} is not a {' or '.join(DATA_SUFFIXES)} file")
+    if recipe.model.path:
+        _checked_hf_dir("model.path", recipe.model.path, model if recipe.model.config else None)
     if recipe.reward.function:
         resolve(recipe.reward.function)
     _check_rollout_function(recipe)
     import_by_path("algorithm.group_filter", recipe.algorithm.group_filter)
     resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
     if recipe.reward.model:
-        from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+        from rlhf_mc.bridge.hf_config import read_hf_config
 
-        path = Path(recipe.reward.model)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"reward.model: no HF checkpoint (config.json) at {recipe.reward.model}")
-        hf = read_hf_config(path)
+        reward_model = _checked_hf_dir("reward.model", recipe.reward.model)
+        hf = read_hf_config(recipe.reward.model)
         labels = hf.get("num_labels") or len(hf.get("id2label") or {}) or 2  # transformers' default: 2 labels
         if not any(a.endswith("ForSequenceClassification") for a in hf.get("architectures") or []) or labels != 1:
             raise ConfigError(f"reward.model: {recipe.reward.model} is not a one-label sequence-classification "
                               f"checkpoint (architectures {hf.get('architectures')})")
-        _in_section("reward.parallel.", recipe.reward.parallel.check_model, model_config_from_hf(hf))
-    for section, fields in PATHS.items():
-        for field in fields:
-            value = getattr(getattr(recipe, section), field)
-            if value and not Path(value).exists():
-                raise ConfigError(f"{section}.{field}: not found: {value}")
+        _in_section("reward.parallel.", recipe.reward.parallel.check_model, reward_model)
+
+
+def _checked_hf_dir(field: str, path: str, model: ModelConfig | None = None) -> ModelConfig:
+    """bridge.convert.check_hf_checkpoint's verdict on an HF directory, as one line naming the field."""
+    from rlhf_mc.bridge.convert import check_hf_checkpoint
+
+    try:
+        return check_hf_checkpoint(path, model)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise ConfigError(f"{field}: {path}: {reason}") from None
 
 
 def _check_rollout_function(recipe: Recipe) -> None:

@@ -97,6 +97,9 @@ class RolloutSection:
         if self.engine.return_routed_experts:
             raise ConfigError("engine.return_routed_experts: set by the trainer for mixture-of-experts models; "
                               "leave it out")
+        if self.engine.random_weights:
+            raise ConfigError("engine.random_weights: set by the trainer (engines start so when the run has no "
+                              "checkpoint yet); leave it out")
         if self.engine.host != RolloutConfig.host:
             raise ConfigError(f"engine.host: {self.engine.host!r}: set by the trainer (127.0.0.1 on one node, each "
                               "node's IP when the run spans nodes); leave it out")
@@ -380,7 +383,10 @@ def model_config(recipe: Recipe) -> ModelConfig:
     path = Path(recipe.model.path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: no HF checkpoint (config.json) at {recipe.model.path}")
-    return model_config_from_hf(read_hf_config(path))
+    try:
+        return model_config_from_hf(read_hf_config(path))
+    except ConfigError as e:
+        raise ConfigError(f"model.path: {path}: {e}") from None
 
 
 def to_dict(recipe: Recipe) -> dict:

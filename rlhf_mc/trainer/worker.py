@@ -34,7 +34,11 @@ class ModelWorker:
     ahead and bound later can be: any outgoing connection may get it as its local port)."""
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
-                 recompute: str = "none", value_head: bool = False, router: RouterConfig = RouterConfig()):
+                 recompute: str = "none", value_head: bool = False, router: RouterConfig = RouterConfig(),
+                 log_file: str | None = None):
+        """`log_file`: where this rank's output goes (else Ray's worker log)."""
+        if log_file:
+            console.output_to(log_file)
         console.quiet_framework_warnings()
         self.rank, self.world, self.model = rank, world, model
         self._build = (parallel, dtype, seed, recompute, value_head, router)
@@ -205,11 +209,19 @@ class ModelWorker:
         self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
                                                                        config_from), bucket_bytes)
 
-    def unlink_shared_memory(self) -> None:
-        """Right before this worker's kill: removes the shared-memory files it made (the weight sync's CPU staging),
-        which a kill leaves behind. The objects stay until the kill (rollout.sglang_engine.unlink_staging says why)."""
+    def exit(self) -> None:
+        """Ends this worker: removes the shared-memory files it made (the weight sync's CPU staging), which a kill
+        leaves behind, and exits. The staging is never released: releasing it after its file is gone aborts in torch
+        (rollout.sglang_engine.unlink_staging), as Ray's graceful actor exit did, with a core dump in the console."""
+        import ctypes
+
+        import ray
+
         if self.weight_sync is not None:
-            self.weight_sync.transport.unlink_staging()
+            staging = self.weight_sync.transport.unlink_staging()
+            if staging is not None:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(staging))  # held past the interpreter's end
+        ray.actor.exit_actor()
 
     def reconnect_engines(self) -> None:
         """After engines were restarted: a broadcast transport forms its group with them again."""

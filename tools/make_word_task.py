@@ -1,0 +1,68 @@
+"""Writes the real-model recipe's task: short arithmetic word problems of two or three steps ("Mia has 7 shells. She
+finds 5 more and gives 3 away. How many shells does she have now?"), each asking for the answer after "####", so the
+rule reward (rewards/rules.py: math) checks it exactly. Reproducible from a seed; the held-out split shares no
+problem with the training one.
+
+    python tools/make_word_task.py [--out recipes/data/word] [--seed 0] [--train 4000] [--test 200]
+
+Files: train.jsonl and test.jsonl with "prompt" (the problem and the instruction) and "answer" (the number). The
+prompts are plain text: the recipe renders them with the model's own chat template (data.chat_template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+INSTRUCTION = "Give only the final number after \"####\"."
+NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Ben", "Ivy", "Max", "Lily", "Noah", "Emma", "Owen"]
+THINGS = ["apples", "shells", "stickers", "marbles", "coins", "books", "pencils", "stamps", "cards", "cookies"]
+PRONOUN = {"Mia": "She", "Ava": "She", "Zoe": "She", "Ivy": "She", "Lily": "She", "Emma": "She"}
+
+
+def problem(rng: random.Random) -> tuple[str, int]:
+    """One problem and its answer: a start, then two or three changes (finds / buys / gets more, gives / loses /
+    eats some), never below zero."""
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    he = PRONOUN.get(name, "He")
+    count = rng.randint(2, 15)
+    parts = [f"{name} has {count} {thing}."]
+    steps = []
+    for _ in range(rng.randint(2, 3)):
+        if count > 1 and rng.random() < 0.5:
+            n = rng.randint(1, count - 1)
+            steps.append(rng.choice(["gives {n} away", "loses {n}", "gives {n} to a friend"]).format(n=n))
+            count -= n
+        else:
+            n = rng.randint(1, 12)
+            steps.append(rng.choice(["finds {n} more", "buys {n} more", "gets {n} more"]).format(n=n))
+            count += n
+    parts.append(f"{he} {', then '.join(steps)}.")
+    parts.append(f"How many {thing} does {name} have now? {INSTRUCTION}")
+    return " ".join(parts), count
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "recipes/data/word"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=4000)
+    parser.add_argument("--test", type=int, default=200)
+    args = parser.parse_args(argv)
+    rng, seen, rows = random.Random(args.seed), set(), []
+    while len(rows) < args.train + args.test:
+        prompt, answer = problem(rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"prompt": prompt, "answer": str(answer)})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, part in (("test.jsonl", rows[:args.test]), ("train.jsonl", rows[args.test:])):
+        (out / name).write_text("".join(json.dumps(row) + "\n" for row in part))
+    print(f"wrote {out}: test.jsonl {args.test} rows, train.jsonl {args.train} rows")
+
+
+if __name__ == "__main__":
+    main()
