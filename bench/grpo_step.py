@@ -1,6 +1,6 @@
 """One GRPO step by phase, ours vs TRL's GRPOTrainer (`pip install trl`) on the same model, prompts and batch, over
-model sizes and response lengths: 32 prompts x 8 samples of the quickstart's arithmetic data, one optimizer step per
-batch, no KL term, both in --dtype (ours trains and rolls out in it; TRL, in bf16, autocasts: its default), our
+model sizes and response lengths: --prompts x --samples (32 x 8) of the quickstart's arithmetic data, one optimizer
+step per batch, no KL term, both in --dtype (ours trains and rolls out in it; TRL, in bf16, autocasts: its default), our
 micro-batch the whole batch as TRL's forward is (or --micro-batch-tokens). JSON lines per configuration: our phases
 (median over the timed steps) with their achieved FLOP/s as a fraction of this machine's matmul FLOP/s in that dtype
 (measured first), TRL's step time, the ratio, both steps' fraction of that peak and `ratio_at_peak`: TRL's step over a
@@ -8,6 +8,12 @@ step that ran every matmul at the peak (the most any system could gain over TRL 
 
     python bench/grpo_step.py [--sizes 1m 6m 50m] [--response-lengths 6 32 128] [--steps 6] [--warmup 1]
                               [--dtype float32] [--rounds 1] [--micro-batch-tokens N]
+    python bench/grpo_step.py --model runs/models/SmolLM2-135M-Instruct --prompts 8 --samples 4 \
+                              --response-lengths 32 --steps 4       # a real model: the word task, chat template
+
+With --model (an HF checkpoint directory; tools/prepare_model.py makes SmolLM2-135M-Instruct's) both start from its
+weights and take the real-model recipe's prompts (recipes/data/word, rendered with the model's chat template: TRL
+gets them as conversations and applies the same template) instead of the random-init sizes.
 
 With --rounds R each configuration runs ours then TRL R times in turn and reports the medians, the ratio being the
 median of the rounds' ratios (each round's two systems minutes apart): on a shared VM whose speed drifts by 10-30%
@@ -37,7 +43,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import emit, in_child, llama_matmul_params, matmul_peak  # noqa: E402
 
-PROMPTS, N, LR = 32, 8, 1e-4
+LR = 1e-4
+ARITH = REPO / "recipes/data/arith/train.jsonl"
+WORD = REPO / "recipes/data/word/train.jsonl"
 PROMPT_TOKENS = 8  # the longest arithmetic prompt (<= 7 characters) and BOS
 # name: (hidden, layers, heads, kv heads, ffn); vocab 16 (the arithmetic characters)
 SIZES = {"1m": (128, 4, 4, 2, 384), "6m": (256, 8, 8, 4, 768), "50m": (768, 8, 12, 6, 2304)}
@@ -53,29 +61,48 @@ def write_model_config(path: Path, size: str) -> int:
     return llama_matmul_params(hidden, layers, heads, kv_heads, head_dim, ffn, vocab=16)
 
 
-def ours(run_dir: Path, model_yaml: Path, response_length: int, steps: int, warmup: int, dtype: str,
-         micro_batch_tokens: int) -> tuple[dict, Path]:
+def real_model_config(model_dir: Path) -> tuple[int, int]:
+    """(matmul parameters, the longest word-task prompt in tokens through the model's chat template) of an HF
+    checkpoint directory."""
+    import transformers as T
+
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.data.dataset import encode_prompt, read_rows
+
+    m = model_config_from_hf(read_hf_config(model_dir))
+    tokenizer = T.AutoTokenizer.from_pretrained(model_dir)
+    longest = max(len(encode_prompt(tokenizer, str(r["prompt"]), True)) for r in read_rows(WORD)[:512])
+    return llama_matmul_params(m.hidden_size, m.num_layers, m.num_attention_heads, m.num_kv_heads, m.head_dim,
+                               m.ffn_hidden_size, m.vocab_size), longest
+
+
+def ours(run_dir: Path, model: list[str], batch: tuple[int, int], response_length: int, steps: int, warmup: int,
+         dtype: str, micro_batch_tokens: int) -> dict:
+    """Our phases' medians; `model`: the overrides that name the model (and its data)."""
     from rlhf_mc.trainer.loop import train
     from rlhf_mc.trainer.plan import make_plan
     from rlhf_mc.trainer.recipe import load_recipe, model_config
 
+    prompts, n = batch
     recipe = load_recipe(REPO / "recipes/quickstart.yaml", [
-        f"trainer.output_dir={run_dir}", f"model.config={model_yaml}", "sft.data_path=", "data.val_path=",
+        f"trainer.output_dir={run_dir}", *model, "sft.data_path=", "data.val_path=",
         f"trainer.total_steps={steps}", "trainer.save_interval=0", "trainer.export_hf=false",
-        "trainer.loggers=[jsonl]", f"data.train_batch_size={PROMPTS}", f"rollout.n={N}",
-        f"actor.ppo_mini_batch_size={PROMPTS}", f"data.max_response_length={response_length}",
+        "trainer.loggers=[jsonl]", f"data.train_batch_size={prompts}", f"rollout.n={n}",
+        f"actor.ppo_mini_batch_size={prompts}", f"data.max_response_length={response_length}",
         "rollout.ignore_eos=true", f"actor.optim.lr={LR}", f"model.dtype={dtype}", f"rollout.engine.dtype={dtype}",
         f"actor.micro_batch_tokens={micro_batch_tokens}"])
     train(recipe, make_plan(recipe, model_config(recipe)))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "timing/step_s" in r][warmup:-1]  # the last step also saves the final checkpoint
-    keys = sorted({k for r in timed for k in r if k.startswith("timing/")} | {"response/length_mean"})
-    return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in keys}, run_dir / "init_hf"
+    keys = sorted({k for r in timed for k in r if k.startswith("timing/")} |
+                  {"response/length_mean", "sequence/length_mean"})
+    return {k: statistics.median(r.get(k, 0.0) for r in timed) for k in keys}
 
 
-def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int, dtype: str
-             ) -> tuple[float, float | None]:
-    """Median step seconds and mean completion length."""
+def trl_step(model_dir: Path, batch: tuple[int, int], response_length: int, steps: int, warmup: int, dtype: str,
+             chat: bool) -> tuple[float, float | None]:
+    """Median step seconds and mean completion length; `chat`: the word task's prompts as conversations (TRL
+    renders them with the model's chat template, as data.chat_template does), else the arithmetic ones after BOS."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -83,8 +110,11 @@ def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int, dty
     from rlhf_mc.data.dataset import read_rows
     from rlhf_mc.rewards.rules import math_reward
 
-    rows = read_rows(REPO / "recipes/data/arith/train.jsonl")[:PROMPTS * (steps + 1)]
-    dataset = datasets.Dataset.from_list([{"prompt": "<s>" + r["prompt"], "answer": r["answer"]} for r in rows])
+    prompts, n = batch
+    rows = read_rows(WORD if chat else ARITH)[:prompts * (steps + 1)]
+    dataset = datasets.Dataset.from_list([
+        {"prompt": [{"role": "user", "content": r["prompt"]}] if chat else "<s>" + r["prompt"], "answer": r["answer"]}
+        for r in rows])
 
     def reward(completions, answer, **_):
         return [math_reward(c, a) for c, a in zip(completions, answer)]
@@ -99,8 +129,8 @@ def trl_step(model_dir: Path, response_length: int, steps: int, warmup: int, dty
             times.append(time.perf_counter() - self.start)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = GRPOConfig(output_dir=str(model_dir.parent / "trl"), use_cpu=True, per_device_train_batch_size=PROMPTS * N,
-                        gradient_accumulation_steps=1, num_generations=N, max_completion_length=response_length,
+    config = GRPOConfig(output_dir=str(model_dir.parent / "trl"), use_cpu=True, per_device_train_batch_size=prompts * n,
+                        gradient_accumulation_steps=1, num_generations=n, max_completion_length=response_length,
                         learning_rate=LR, max_steps=steps, beta=0.0, temperature=1.0, logging_steps=1,
                         report_to="none", save_strategy="no", loss_type="grpo", shuffle_dataset=False,
                         bf16=dtype == "bfloat16",  # TRL's default: bf16 autocast
@@ -125,41 +155,58 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="our actor's micro-batch (default: the whole batch, TRL's one forward; at 57M / 128 "
                              "tokens two ranks of that and two engines exceed 24 GB)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an HF checkpoint directory (the word task, chat template) instead of --sizes")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=8, help="per prompt")
     args = parser.parse_args()
     if args.steps < args.warmup + 2:  # ours leaves out its last step too (the final checkpoint is saved in it)
         parser.error(f"--steps {args.steps}: at least --warmup + 2 = {args.warmup + 2}")
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: at least 1")
-    if args.micro_batch_tokens is not None and args.micro_batch_tokens < 1:
-        parser.error(f"--micro-batch-tokens {args.micro_batch_tokens}: at least 1")
+    for name in ("rounds", "prompts", "samples", "micro_batch_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no HF checkpoint (config.json) there (tools/prepare_model.py)")
     try:
         import trl  # noqa: F401
     except ImportError:
         trl = None
         emit(figure="trl GRPOTrainer step", value=None, note="trl is not installed: pip install trl")
     peak = matmul_peak(args.dtype)
-    for size in args.sizes:
+    batch = (args.prompts, args.samples)
+    samples = args.prompts * args.samples
+    chat = args.model is not None
+    for size in [args.model.name] if chat else args.sizes:
         for length in args.response_lengths:
             with tempfile.TemporaryDirectory() as tmp:
-                model_yaml = Path(tmp) / "model.yaml"
-                params = write_model_config(model_yaml, size)
+                if chat:
+                    params, prompt_tokens = real_model_config(args.model)
+                    model = [f"model.path={args.model}", f"data.train_path={WORD}", "data.chat_template=true",
+                             f"data.max_prompt_length={prompt_tokens}"]
+                else:
+                    model_yaml = Path(tmp) / "model.yaml"
+                    params, prompt_tokens = write_model_config(model_yaml, size), PROMPT_TOKENS
+                    model = [f"model.config={model_yaml}"]
                 # by default the whole step's batch in one micro-batch, as TRL's one forward over
                 # per_device_train_batch_size samples
-                micro_batch_tokens = args.micro_batch_tokens or PROMPTS * N * (PROMPT_TOKENS + length)
+                micro_batch_tokens = args.micro_batch_tokens or samples * (prompt_tokens + length)
                 rounds = []  # (our phases, TRL's step seconds and mean completion length) per round
                 for r in range(args.rounds):
-                    phases, model_dir = ours(Path(tmp) / f"ours{r}", model_yaml, length, args.steps, args.warmup,
-                                             args.dtype, micro_batch_tokens)
-                    rounds.append((phases, *(in_child(trl_step, model_dir, length, args.steps, args.warmup,
-                                                      args.dtype) if trl else (None, None))))
+                    run_dir = Path(tmp) / f"ours{r}"
+                    phases = ours(run_dir, model, batch, length, args.steps, args.warmup, args.dtype,
+                                  micro_batch_tokens)
+                    model_dir = args.model or run_dir / "init_hf"  # random init: the weights ours started from
+                    rounds.append((phases, *(in_child(trl_step, model_dir, batch, length, args.steps, args.warmup,
+                                                      args.dtype, chat) if trl else (None, None))))
                 phases = {k: statistics.median(p[k] for p, _, _ in rounds) for k in rounds[0][0]}
-                config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), response_length=length,
-                              micro_batch_tokens=micro_batch_tokens,
-                              response_length_mean=round(phases["response/length_mean"], 1))
+                config = dict(size=size, dtype=args.dtype, params_m=round(params / 1e6, 2), prompts=args.prompts,
+                              samples=args.samples, response_length=length, micro_batch_tokens=micro_batch_tokens,
+                              response_length_mean=round(phases["response/length_mean"], 1),
+                              sequence_length_mean=round(phases["sequence/length_mean"], 1))
                 # tokens through the model per step: prompts and responses, every sample
-                tokens = PROMPTS * N * (PROMPT_TOKENS + phases["response/length_mean"])
+                tokens = samples * phases["sequence/length_mean"]
                 flops = {"timing/rollout_s": 2 * params * tokens, "timing/old_logprob_s": 2 * params * tokens,
-                         "timing/update_actor_s": 6 * params * tokens}
+                         "timing/ref_logprob_s": 2 * params * tokens, "timing/update_actor_s": 6 * params * tokens}
                 for key, seconds in phases.items():
                     if key.startswith("timing/"):
                         mfu = round(flops[key] / seconds / peak, 4) if key in flops and seconds else None
@@ -172,7 +219,8 @@ def main() -> None:
                 # both do one generation (2 x params x token) and one forward + backward (6 x) per token: the step's
                 # fraction of the machine's matmul peak, and the ratio the peak itself allows over TRL
                 step_flops = 8 * params * tokens
-                emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
+                figure = f"GRPO step, {args.prompts} prompts x {args.samples} samples, CPU"
+                emit(figure=figure, **config, ours_s=round(ours_step, 3),
                      baseline="trl GRPOTrainer (transformers generate)", baseline_s=round(step, 3),
                      baseline_response_length=trl_length, ratio_baseline_over_ours=round(statistics.median(ratios), 2),
                      rounds=[{"ours_s": round(p["timing/step_s"], 3), "baseline_s": round(s, 3), "ratio": round(r, 2)}
@@ -181,9 +229,9 @@ def main() -> None:
                      baseline_step_mfu=round(step_flops / step / peak, 3),
                      ratio_at_peak=round(step / (step_flops / peak), 2))
                 if args.trl_as_rank:
-                    as_rank, _ = in_child(trl_step, model_dir, length, args.steps, args.warmup, args.dtype,
-                                              as_rank=True)
-                    emit(figure="GRPO step, 32 prompts x 8 samples, CPU", **config, ours_s=round(ours_step, 3),
+                    as_rank, _ = in_child(trl_step, model_dir, batch, length, args.steps, args.warmup, args.dtype,
+                                          chat, as_rank=True)
+                    emit(figure=figure, **config, ours_s=round(ours_step, 3),
                          baseline="trl GRPOTrainer started as our CPU ranks", baseline_s=round(as_rank, 3),
                          ratio_baseline_over_ours=round(as_rank / ours_step, 2),
                          baseline_step_mfu=round(step_flops / as_rank / peak, 3))

@@ -30,7 +30,8 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 def stand_ins(recipe_path: Path, tmp_path: Path) -> list[str]:
     """Overrides that point a GPU recipe's missing inputs (/models/..., data/...) at stand-ins: an HF directory
-    with the config.json of the recipe's model.config and a (tiny) weights file, data files of the same format."""
+    with the config.json of the recipe's model.config and a (tiny) weights file, data files of the same format; the
+    real model's recipe gets it (tools/prepare_model.py, cached under runs/)."""
     from safetensors.torch import save_file
 
     from rlhf_mc.bridge.hf_config import hf_config_from_model
@@ -43,7 +44,12 @@ def stand_ins(recipe_path: Path, tmp_path: Path) -> list[str]:
             if not value or Path(value).exists():
                 continue
             stand_in = tmp_path / f"{section}_{field}{Path(value).suffix}"
-            if section == "model":
+            if section == "model" and not recipe.model.config:
+                sys.path.insert(0, str(REPO / "tools"))
+                from prepare_model import prepare, smollm2_gguf
+
+                stand_in = prepare(smollm2_gguf(), Path(value))
+            elif section == "model":
                 stand_in.mkdir()
                 (stand_in / "config.json").write_text(json.dumps(hf_config_from_model(model_config(recipe))))
                 save_file({"x": torch.zeros(1)}, stand_in / "model.safetensors")

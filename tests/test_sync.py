@@ -54,7 +54,21 @@ def payload_producer(serialized: str) -> int:
 
 def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str,
            parallel: ParallelConfig) -> dict | None:
-    """`engines`: (address, the trainer ranks on its devices) each."""
+    """`engines`: (address, the trainer ranks on its devices) each. The payloads this rank posts are recorded by
+    patching the engine client's class, restored after: the ranks are kept for the next test (RLHF_MC_KEEP_RANKS),
+    which a recorder of this test's engines would break (a ValueError in its sync, counted as a failed engine, left
+    it paused and its next generate waiting)."""
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    load = SGLangEngine.load_tensor_payloads
+    try:
+        return _recorded_actor(load, model_dir, engines, transport, export_dir, parallel)
+    finally:
+        SGLangEngine.load_tensor_payloads = load
+
+
+def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str,
+                    parallel: ParallelConfig) -> dict | None:
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
     from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
     from rlhf_mc.bridge.weights import export_hf_weights, load_hf_weights
@@ -72,7 +86,6 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     # (engine, producer pid per TP rank) per bucket this rank posted; the shared-memory files the payloads name
     received: list[tuple[int, list[int]]] = []
     files: set[bytes] = set()
-    load = SGLangEngine.load_tensor_payloads
 
     def recording(self, engine, payloads, *labels, **named_labels):
         received.append((addresses.index(self.urls[engine].removeprefix("http://")),

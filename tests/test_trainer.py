@@ -52,10 +52,12 @@ VOLATILE = ("timing/", "idle/", "sync/seconds", "sync/peak_extra_mb", "rollout/l
 
 
 def char_codes(response: str, answer: str, prompt: str) -> float:
-    """A reward (imported by path) that differs between almost any two different responses: a short run from a
-    random or barely warmed-up model gets non-zero advantages at every step (a shaped reward such as the share of
-    the answer's digits in place ties at 0 for most responses of such a model, and the gradient is 0)."""
-    return sum(map(ord, response)) / 1000
+    """A reward (imported by path) that differs between almost any two different responses, and between prompts: a
+    short run from a random model gets non-zero advantages at every step (a shaped reward such as the share of the
+    answer's digits in place ties at 0 for most responses of such a model, and the gradient is 0). The prompt's
+    part keeps batch-normalized estimators (REINFORCE++ with one sample a prompt) moving after the policy collapses
+    to one response for every prompt (seen at lr 1e-3 by step 5); group-relative ones cancel it."""
+    return (sum(map(ord, response)) + sum(map(ord, prompt)) % 97) / 1000
 
 
 def char_code_parity(response: str, answer: str, prompt: str) -> float:
@@ -209,8 +211,9 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
 
     out = tmp_path / "ppo"
     rm = write_reward_model(tmp_path / "rm")
-    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "trainer.total_steps=2", "trainer.save_interval=1",
-                         *ONE_SLOT, "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3",
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.data_path=", "trainer.total_steps=2",
+                         "trainer.save_interval=1", *ONE_SLOT, "data.train_batch_size=8", "rollout.n=2",
+                         "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-3",
                          "algorithm.estimator=gae", "algorithm.kl_in_reward_coef=0.01", "algorithm.kl_target=0.5",
                          "algorithm.kl_horizon=64", "ref.placement=separate",
                          "actor.offload=true", "critic.offload=true", "ref.offload=true",
@@ -276,7 +279,7 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
     common = ["trainer.total_steps=2", "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=8",
               "data.val_path=", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-3",
               "reward.function=tests.test_trainer:char_codes"]
-    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=10", "resources.devices_per_node=2",
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.data_path=", "resources.devices_per_node=2",
                          "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common]), out)
     # the weight sync's shared-memory staging went with the run (Ray's kill of the workers leaves what they made)
     assert set(Path("/dev/shm").glob("torch_*")) <= shared_memory
@@ -370,7 +373,7 @@ def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
     import transformers as T
 
     out = tmp_path / "moe"
-    _finish(_start(out, ["recipes/grpo_moe_cpu.yaml", "sft.steps=5", "trainer.total_steps=2",
+    _finish(_start(out, ["recipes/grpo_moe_cpu.yaml", "sft.data_path=", "trainer.total_steps=2",
                          "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "data.val_path=",
                          "actor.router.replay=true", "trainer.loggers=[jsonl]"]), out)
     steps = _metrics(out)
@@ -412,8 +415,9 @@ def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
     checked by the rollout manager; the run fails on an older one), and the trainer waits for a rollout for less
     than the rollout takes (it ran during the previous step's training)."""
     out = tmp_path / "off"
-    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
-                         "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.data_path=", "trainer.total_steps=4",
+                         "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=",
+                         "trainer.loggers=[jsonl]",
                          "rollout.mode=one_step_off", "rollout.engine.num_engines=1", "rollout.placement=disaggregated",
                          "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -433,8 +437,9 @@ def test_async_mode_trains_within_the_staleness_bound(tmp_path):
     on an older one); the logged histogram of the trained tokens' staleness stays within the bound, and from the
     second step on part of each batch comes from the version before the trained one."""
     out = tmp_path / "async"
-    _finish(_start(out, ["recipes/quickstart.yaml", "sft.steps=20", "trainer.total_steps=4", "data.train_batch_size=8",
-                         "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]",
+    _finish(_start(out, ["recipes/quickstart.yaml", "sft.data_path=", "trainer.total_steps=4",
+                         "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=",
+                         "trainer.loggers=[jsonl]",
                          "rollout.mode=async", "rollout.engine.num_engines=1", "rollout.max_staleness=1",
                          "rollout.placement=disaggregated", "resources.devices_per_node=2",
                          "reward.function=tests.test_trainer:char_codes"]), out)

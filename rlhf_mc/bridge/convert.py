@@ -55,6 +55,13 @@ def check_hf_checkpoint(hf_dir: str | Path, model_config: str | Path | ModelConf
     return model
 
 
+def write_metadata(ckpt: Path, model: ModelConfig, dtype: str, parallel: ParallelConfig) -> None:
+    """What makes a distributed checkpoint readable without its writer: the model config, the dtype, the layout it
+    was saved at (hf_to_mcore's checkpoints and the trainer's: tools/score.py and mcore-to-hf read both)."""
+    meta = {"model": dataclasses.asdict(model), "dtype": dtype, "saved_with": dataclasses.asdict(parallel)}
+    (ckpt / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def read_metadata(ckpt: str | Path) -> tuple[ModelConfig, str]:
     """(model config, dtype) of a checkpoint written by hf_to_mcore."""
     path = Path(ckpt) / METADATA
@@ -112,8 +119,7 @@ def _hf_to_mcore_worker(hf_dir: str, out: str, model: ModelConfig, parallel: Par
     load_hf_weights(chunks, hf_dir, model, progress=progress and dist.get_rank() == 0)
 
     def add_files(tmp: Path) -> None:
-        meta = {"model": dataclasses.asdict(model), "dtype": dtype, "saved_with": dataclasses.asdict(parallel)}
-        (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n")
+        write_metadata(tmp, model, dtype, parallel)
         (tmp / "hf").mkdir()
         shutil.copy2(Path(hf_dir) / "config.json", tmp / "hf" / "config.json")
         copy_passthrough_files(Path(hf_dir), tmp / "hf")

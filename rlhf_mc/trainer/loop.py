@@ -447,6 +447,7 @@ def _step_metrics(batch: Trajectories, entropy, sample_stats, actor_metrics, cri
     scores = batch.scores
     out = {"reward/mean": scores.mean().item(), "reward/accuracy": (scores >= correct).float().mean().item(),
            **sample_stats, "response/length_mean": lengths.mean().item(), "response/length_max": lengths.max().item(),
+           "sequence/length_mean": batch.lengths.float().mean().item(),  # prompt and response: the tokens trained
            "response/clipped_fraction": sum(f != "stop" for f in batch.finish_reasons) / len(batch),
            **_old_policy_metrics(batch, entropy, actor_metrics),
            "data/epoch": epoch, "data/prompts_dropped": dropped, "data/samples": len(batch)}

@@ -101,6 +101,7 @@ class ModelWorker:
 
     def save(self, path: str, trainer_state: dict | None = None) -> None:
         """Model + optimizer + lr schedule + this rank's RNG, atomically; `trainer_state` goes to trainer_state.json."""
+        from rlhf_mc.bridge.convert import write_metadata
         from rlhf_mc.models.checkpoint import save_model
 
         rng_states = [None] * torch.distributed.get_world_size()
@@ -110,6 +111,8 @@ class ModelWorker:
             extra = {"scheduler": self.state.scheduler.state_dict()} if self.state else {}
             (tmp / "trainer_state.json").write_text(json.dumps({**(trainer_state or {}), **extra}, indent=1))
             torch.save(rng_states, tmp / "rng.pt")
+            parallel, dtype = self._build[:2]
+            write_metadata(tmp, self.model, dtype, parallel)  # tools/score.py and mcore-to-hf read the checkpoint
 
         save_model(self.chunks, path, add_files, optimizer=self.state.optimizer if self.state else None)
 
