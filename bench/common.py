@@ -63,7 +63,11 @@ def matmul_flops(seconds: float = 3.0, dtype: str = "float32") -> float:
 
 
 def _to_queue(fn, args, queue) -> None:
-    queue.put(fn(*args))
+    try:
+        queue.put((True, fn(*args)))
+    except BaseException as e:  # the parent re-raises it (else it would wait for a result forever)
+        queue.put((False, f"{type(e).__name__}: {e}"))
+        raise
 
 
 def in_child(fn, *args, as_rank: bool = False):
@@ -76,8 +80,10 @@ def in_child(fn, *args, as_rank: bool = False):
 
     with host.children_as_cpu_ranks() if as_rank else contextlib.nullcontext():
         proc.start()
-    result = queue.get()
+    ok, result = queue.get()
     proc.join()
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in its child process: {result}")
     return result
 
 

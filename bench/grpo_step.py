@@ -116,8 +116,8 @@ def trl_step(model_dir: Path, batch: tuple[int, int], response_length: int, step
         {"prompt": [{"role": "user", "content": r["prompt"]}] if chat else "<s>" + r["prompt"], "answer": r["answer"]}
         for r in rows])
 
-    def reward(completions, answer, **_):
-        return [math_reward(c, a) for c, a in zip(completions, answer)]
+    def reward(completions, answer, **_):  # a conversation's completion is its one assistant message
+        return [math_reward(c[0]["content"] if chat else c, a) for c, a in zip(completions, answer)]
 
     times: list[float] = []
 
@@ -181,8 +181,11 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 if chat:
                     params, prompt_tokens = real_model_config(args.model)
-                    model = [f"model.path={args.model}", f"data.train_path={WORD}", "data.chat_template=true",
-                             f"data.max_prompt_length={prompt_tokens}"]
+                    # the real-model recipe's engine KV cache: SGLang's CPU default of 65536 tokens is 3 GB an
+                    # engine at this model's size
+                    model = ["model.config=", "model.tokenizer=", f"model.path={args.model}",
+                             f"data.train_path={WORD}", "data.chat_template=true",
+                             f"data.max_prompt_length={prompt_tokens}", "rollout.engine.max_total_tokens=8192"]
                 else:
                     model_yaml = Path(tmp) / "model.yaml"
                     params, prompt_tokens = write_model_config(model_yaml, size), PROMPT_TOKENS

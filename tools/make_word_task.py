@@ -1,7 +1,8 @@
-"""Writes the real-model recipe's task: short arithmetic word problems of two or three steps ("Mia has 7 shells. She
-finds 5 more and gives 3 away. How many shells does she have now?"), each asking for the answer after "####", so the
-rule reward (rewards/rules.py: math) checks it exactly. Reproducible from a seed; the held-out split shares no
-problem with the training one.
+"""Writes the real-model recipe's task: short arithmetic word problems of one or two steps on numbers below 10 ("Mia
+has 7 shells. She finds 5 more, then gives 3 away. How many shells does Mia have now?"), each asking for the answer
+after "####", so the rule reward (rewards/rules.py: math) checks it exactly. Sized for SmolLM2-135M-Instruct, which
+answers 12.5% of them (96 held-out prompts, greedy, tools/eval_hf.py); at two or three steps on numbers to 15 it
+answered 3%. Reproducible from a seed; the held-out split shares no problem with the training one.
 
     python tools/make_word_task.py [--out recipes/data/word] [--seed 0] [--train 4000] [--test 200]
 
@@ -23,20 +24,20 @@ PRONOUN = {"Mia": "She", "Ava": "She", "Zoe": "She", "Ivy": "She", "Lily": "She"
 
 
 def problem(rng: random.Random) -> tuple[str, int]:
-    """One problem and its answer: a start, then two or three changes (finds / buys / gets more, gives / loses /
-    eats some), never below zero."""
+    """One problem and its answer: a start, then one or two changes (finds / buys / gets more, gives / loses some),
+    never below one."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
     he = PRONOUN.get(name, "He")
-    count = rng.randint(2, 15)
+    count = rng.randint(2, 9)
     parts = [f"{name} has {count} {thing}."]
     steps = []
-    for _ in range(rng.randint(2, 3)):
+    for _ in range(rng.randint(1, 2)):
         if count > 1 and rng.random() < 0.5:
             n = rng.randint(1, count - 1)
             steps.append(rng.choice(["gives {n} away", "loses {n}", "gives {n} to a friend"]).format(n=n))
             count -= n
         else:
-            n = rng.randint(1, 12)
+            n = rng.randint(1, 9)
             steps.append(rng.choice(["finds {n} more", "buys {n} more", "gets {n} more"]).format(n=n))
             count += n
     parts.append(f"{he} {', then '.join(steps)}.")

@@ -5,7 +5,11 @@
   no-op (release_memory_occupation calls it). Put first on the server's PYTHONPATH.
 - SGLANG_USE_CPU_ENGINE=1 and `--device cpu`; OMP_NUM_THREADS = the cores of one device slot (not Ray's 1); glibc
   malloc settings that keep freed memory and MKL's AVX-512 kernels on AMD CPUs (runtime/host.py); a KV cache of
-  65536 tokens and mem_fraction_static 0.1 unless the config says otherwise (SGLang's defaults reserve ~14 GB).
+  65536 tokens unless the config says otherwise (SGLang's defaults reserve ~14 GB); mem_fraction_static 0.5 unless
+  the config says otherwise, which with the token cap allocates nothing more: SGLang refuses to start when the
+  node's free memory fell by more than 1 - mem_fraction_static while it loaded its weights, and on a CPU node the
+  trainer's ranks load theirs at the same time (engines start first). At 0.1 a 135M model's engine was refused
+  (SmolLM2 in fp32: the two ranks took >10% of 24 GB meanwhile).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
   (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
   installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
@@ -68,7 +72,7 @@ def server_env(env: dict[str, str], slots: range, slots_on_host: int) -> dict[st
 
 def server_args(max_total_tokens: int | None, mem_fraction_static: float | None) -> list[str]:
     return ["--device", "cpu", "--max-total-tokens", str(max_total_tokens or 65536),
-            "--mem-fraction-static", str(mem_fraction_static or 0.1)]
+            "--mem-fraction-static", str(mem_fraction_static or 0.5)]
 
 
 def prepare_tensor_sender() -> None:
