@@ -176,17 +176,17 @@ def main() -> None:
     batch = (args.prompts, args.samples)
     samples = args.prompts * args.samples
     chat = args.model is not None
+    if chat:  # the same model and prompts at every response length
+        params, prompt_tokens = real_model_config(args.model)
+        # the real-model recipe's engine KV cache: SGLang's CPU default of 65536 tokens is 3 GB an engine at this
+        # model's size
+        model = ["model.config=", "model.tokenizer=", f"model.path={args.model}", f"data.train_path={WORD}",
+                 "data.chat_template=true", f"data.max_prompt_length={prompt_tokens}",
+                 "rollout.engine.max_total_tokens=8192"]
     for size in [args.model.name] if chat else args.sizes:
         for length in args.response_lengths:
             with tempfile.TemporaryDirectory() as tmp:
-                if chat:
-                    params, prompt_tokens = real_model_config(args.model)
-                    # the real-model recipe's engine KV cache: SGLang's CPU default of 65536 tokens is 3 GB an
-                    # engine at this model's size
-                    model = ["model.config=", "model.tokenizer=", f"model.path={args.model}",
-                             f"data.train_path={WORD}", "data.chat_template=true",
-                             f"data.max_prompt_length={prompt_tokens}", "rollout.engine.max_total_tokens=8192"]
-                else:
+                if not chat:
                     model_yaml = Path(tmp) / "model.yaml"
                     params, prompt_tokens = write_model_config(model_yaml, size), PROMPT_TOKENS
                     model = [f"model.config={model_yaml}"]
