@@ -100,7 +100,10 @@ def test_recipe_runs_the_real_model_end_to_end(smollm2, tmp_path):
                          "trainer.save_interval=1", "data.train_batch_size=2", "rollout.n=2",
                          "actor.ppo_mini_batch_size=2", "data.max_response_length=8", "data.val_path=",
                          "resources.devices_per_node=1", "rollout.engine.num_engines=1",
-                         "trainer.loggers=[jsonl]"]), out)
+                         # a reward that tells any two responses apart: the recipe's dynamic sampling keeps every
+                         # group of these 8-token answers (its math reward would score them all 0 and run out of
+                         # rounds) and the weights move at step 1
+                         "reward.function=tests.test_trainer:char_codes", "trainer.loggers=[jsonl]"]), out)
     steps = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert sorted(steps) == [1, 2]
     # step 2's samples come from the weights step 1 trained, synced into the engine: the engine's log-probs of them

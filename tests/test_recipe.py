@@ -347,6 +347,27 @@ def test_recipe_file_errors(tmp_path):
     result = _launch(str(bad))
     assert result.returncode == 2 and result.stderr.strip() == (
         f"error: {bad}:4:5: not valid YAML (expected ',' or ']', but got ':')"), result.stderr
+    # a key given twice (a second actor: block), at any depth: refused with both lines, not the first dropped
+    bad.write_text("actor:\n  optim: {lr: 1.0e-5}\ndata: {max_prompt_length: 8}\nactor:\n  micro_batch_tokens: 64\n")
+    with pytest.raises(ConfigError, match=f"^{bad}:4: key 'actor' given twice \\(first at line 1\\): the second "
+                                          "would replace the first$"):
+        load_recipe(bad)
+    bad.write_text("data:\n  max_prompt_length: 8\n  max_prompt_length: 9\n")
+    with pytest.raises(ConfigError, match=f"^{bad}:3: key 'max_prompt_length' given twice \\(first at line 2\\)"):
+        load_recipe(bad)
+
+
+def test_a_cluster_short_of_devices_is_refused_at_once():
+    """Ray would wait for GPUs that never come (600 s, then a bare timeout): the run is refused before it waits,
+    with what it asked for and what the cluster has (ray.cluster_resources()' keys)."""
+    from rlhf_mc.trainer.placement import check_cluster_holds
+
+    check_cluster_holds(8, {"CPU": 1, "GPU": 1}, {"CPU": 64.0, "GPU": 8.0, "memory": 1e12})
+    with pytest.raises(ConfigError, match=r"^resources: the run asks for 16 devices \(16 GPU\), the Ray cluster has "
+                                          r"8 GPU, 64 CPU$"):
+        check_cluster_holds(16, {"CPU": 1, "GPU": 1}, {"CPU": 64.0, "GPU": 8.0})
+    with pytest.raises(ConfigError, match=r"asks for 2 devices \(2 CPU\), the Ray cluster has 0 GPU, 1 CPU$"):
+        check_cluster_holds(2, {"CPU": 1}, {"CPU": 1.0})
 
 
 def test_placed_groups_must_lie_on_one_node():

@@ -24,6 +24,7 @@ from rlhf_mc.rollout.sglang_engine import INCONSISTENT_VERSION, LAUNCH_VERSION, 
 from rlhf_mc.runtime.spawn import free_port
 from tests.conftest import write_tiny_qwen2
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200], list(range(20, 60))]
 TOL = 1e-4
 
@@ -397,3 +398,106 @@ def test_cpu_server_gets_mkl_avx512_kernels_after_inherited_preloads():
     assert cpu.server_env({}, range(1), 1)["LD_PRELOAD"] == lib
     assert cpu.server_env({"LD_PRELOAD": "/x/a.so"}, range(1), 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
     assert cpu.server_env({"LD_PRELOAD": f"/x/a.so {lib}"}, range(1), 1)["LD_PRELOAD"] == f"/x/a.so {lib}"
+
+
+def _answering_server(health_status: int):
+    """An HTTP server on loopback that answers SGLang's server info, /health with `health_status`, and every POST
+    with HTTP 500: a server whose own request failed (alive) or a proxy in front of a dead one (health 503)."""
+    import http.server
+    import json as json_
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: dict) -> None:
+            data = json_.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/get_server_info":
+                self._answer(200, {"tp_size": 1, "enable_deterministic_inference": False, "max_req_input_len": 100})
+            else:
+                self._answer(health_status, {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._answer(500, {"error": "boom"})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("health_status", [200, 503])
+def test_http_5xx_from_a_live_server_is_an_error_not_a_dead_server(health_status):
+    """A live server's HTTP 500 is raised with its message and no retry or restart; the same answer while its
+    health check fails is a dead server's, recovered from (an attached one cannot be restarted: said so)."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import EngineDown, ServerError, SGLangEngine
+
+    server = _answering_server(health_status)
+    try:
+        engine = SGLangEngine(RolloutConfig(addresses=(f"127.0.0.1:{server.server_address[1]}",)))
+        expected = ServerError if health_status == 200 else EngineDown
+        with pytest.raises(expected) as error:
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+        if health_status == 200:
+            assert 'HTTP 500 from a live server (not restarted): {"error": "boom"}' in str(error.value)
+            assert engine.stats["request_retries"] == 0
+        else:
+            assert "needs a restart, but it was not launched here" in str(error.value)
+        engine.shutdown()
+    finally:
+        server.shutdown()
+
+
+def test_cpu_patches_refuse_another_sglang_release_and_a_moved_function(tmp_path):
+    """The server-side CPU patches (rollout/cpu_site/sitecustomize.py) check SGLang's release before anything is
+    patched, and a patched module without the function it replaces fails its import by name, not unpatched."""
+    site = REPO / "rlhf_mc" / "rollout" / "cpu_site" / "sitecustomize.py"
+    other_release = (f"import importlib.metadata as m; m.version = lambda name: '0.5.22'; import runpy; "
+                     f"runpy.run_path({str(site)!r})")
+    run = subprocess.run([sys.executable, "-c", other_release], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and ("RuntimeError: sglang 0.5.22: rlhf_mc's CPU patches (rlhf_mc/rollout/cpu_site) "
+                                    "are written for sglang 0.5.23") in run.stderr, run.stderr[-2000:]
+    (tmp_path / "moved_tp_worker.py").write_text("class TpWorker:\n    pass\n")  # no BaseTpWorker
+    moved = (f"import runpy, sys; sys.path.insert(0, {str(tmp_path)!r}); ns = runpy.run_path({str(site)!r}); "
+             "ns['_staging_stays_mapped'].__globals__['_PATCHES']['moved_tp_worker'] = ns['_staging_stays_mapped']; "
+             "import moved_tp_worker")
+    run = subprocess.run([sys.executable, "-c", moved], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and ("RuntimeError: rlhf_mc's CPU patch _staging_stays_mapped of moved_tp_worker "
+                                    "found no 'BaseTpWorker' (written for sglang 0.5.23)") in run.stderr, (
+        run.stderr[-2000:])
+
+
+def test_a_taken_base_port_is_refused_before_a_server_starts(tiny_hf_model, tmp_path):
+    """rollout.engine.base_port on a port another process listens on: refused by name before any server starts
+    (otherwise that process would answer our health checks and requests)."""
+    import socket
+
+    from rlhf_mc.config import ConfigError, RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"^rollout.engine.base_port: port {port} on 127.0.0.1 \(engine 0\) is "
+                                              r"in use \(Address already in use\); choose another base_port, or 0"):
+            SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), base_port=port), log_dir=tmp_path)
+    assert not list(tmp_path.glob("*.log"))  # no server was started
+
+
+def test_a_tp1_servers_scheduler_is_forked_not_spawned(sglang_engine):
+    """On CPU a TP=1 server forks its scheduler and detokenizer (cpu_site/sitecustomize.py: they start with SGLang
+    imported, ~20 s sooner). SGLang's import-time warning (AWQ is CUDA-only: two log lines) is then in a server's
+    log once per start, from its HTTP process; spawned children import SGLang again and print it again (6 lines a
+    start, seen in the logs of runs before the fork)."""
+    log = (sglang_engine.log_dir / "sglang_engine0.log").read_text(errors="replace")
+    starts = log.count("server_args=")
+    assert starts >= 1 and log.count("support AWQ currently") == 2 * starts, log[-3000:]

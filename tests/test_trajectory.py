@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_mc.data.microbatch import balance_across_ranks, micro_batches_by_count, micro_batches_by_tokens
+from rlhf_mc.data.microbatch import balance_across_ranks, micro_batches_by_tokens
 from rlhf_mc.data.trajectory import NOT_SAMPLED, Sample, Trajectories, gather_shares
 
 
@@ -76,4 +76,3 @@ def test_micro_batches_by_tokens():
     assert micro_batches_by_tokens([5, 3, 4, 2], 7) == [[0, 3], [2, 1]]
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the budget 7"):
         micro_batches_by_tokens([5, 9], 7)
-    assert micro_batches_by_count(5, 2) == [[0, 1], [2, 3], [4]]

@@ -45,9 +45,3 @@ def micro_batches_by_tokens(lengths: list[int], max_tokens: int) -> list[list[in
         else:
             bins.append((lengths[i], [i]))
     return [members for _, members in bins]
-
-
-def micro_batches_by_count(n: int, size: int) -> list[list[int]]:
-    if size < 1:
-        raise ValueError(f"micro_batch_size: must be >= 1, got {size}")
-    return [list(range(start, min(start + size, n))) for start in range(0, n, size)]

@@ -10,6 +10,9 @@
   node's free memory fell by more than 1 - mem_fraction_static while it loaded its weights, and on a CPU node the
   trainer's ranks load theirs at the same time (engines start first). At 0.1 a 135M model's engine was refused
   (SmolLM2 in fp32: the two ranks took >10% of 24 GB meanwhile).
+- SGLang spawns its scheduler and detokenizer processes, which import SGLang and torch again; a TP=1 server forks
+  them instead (cpu_site/sitecustomize.py): a start took 44-46 s spawned and 23-39 s forked, on 2 cores with
+  another server starting (bench/server_lifecycle.py --rounds 1).
 - TP > 1: SGLang asserts that ranks <= NUMA nodes unless each rank is given its cores
   (SGLANG_CPU_OMP_THREADS_BIND, "0|1" on a 2-core machine). And with the CUDA build of torch, NCCL's library is
   installed, so SGLang's TP group builds a PyNccl communicator, which fails on a CPU device ("Expected a cuda device,
@@ -29,6 +32,7 @@ import torch
 from rlhf_mc.runtime import host
 
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+FORK_SCHEDULER = "RLHF_MC_FORK_SCHEDULER"  # set in a TP=1 server's environment: its scheduler is forked
 KEEP_MAPPED = "rlhf_mc_keep_mapped"  # a weight payload's key: its buffer is a staging reused for every bucket
 
 
@@ -67,6 +71,10 @@ def server_env(env: dict[str, str], slots: range, slots_on_host: int) -> dict[st
     env["SGLANG_CPU_OMP_THREADS_BIND"] = thread_binding(slots, slots_on_host)
     if len(slots) > 1:
         env["SGLANG_NCCL_SO_PATH"] = str(CPU_SITE / "no-nccl-on-cpu.so")  # does not exist, on purpose
+    else:
+        # one scheduler: forked from the server process instead of spawned (cpu_site/sitecustomize.py); at TP > 1
+        # forked schedulers hung the TP=2 weight sync (an earlier try), so those stay spawned
+        env[FORK_SCHEDULER] = "1"
     return env
 
 

@@ -64,6 +64,10 @@ class EngineDown(RuntimeError):
     pass
 
 
+class ServerError(RuntimeError):
+    """A server that answers its health check failed a request (HTTP 5xx)."""
+
+
 def _version(text: str | None) -> int:
     return int(text) if text is not None and text.lstrip("-").isdigit() else LAUNCH_VERSION
 
@@ -252,6 +256,11 @@ class SGLangEngine:
         except ValueError:  # some routes (/flush_cache) answer in plain text
             body = {"text": response.text}
         if response.status_code >= 500:
+            # a dead or hung server's proxy error is recovered from (a restart); a live server's own failure is not:
+            # restarting it would lose its state and ask the same again
+            if self._healthy(engine):
+                raise ServerError(f"engine {engine} {path}: HTTP {response.status_code} from a live server (not "
+                                  f"restarted): {json.dumps(body)[:500]}")
             raise requests.ConnectionError(f"engine {engine} {path}: HTTP {response.status_code}: {body}")
         if response.status_code >= 400 or (isinstance(body, dict) and body.get("success") is False):
             raise RuntimeError(f"engine {engine} {path}: HTTP {response.status_code}: {json.dumps(body)[:500]}")

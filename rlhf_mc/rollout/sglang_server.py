@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import queue
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from rlhf_mc.config import RolloutConfig
+from rlhf_mc.config import ConfigError, RolloutConfig
 from rlhf_mc.rollout import cpu
 
 
@@ -101,7 +102,33 @@ class ServerProcess:
                 cmd += ["--enable-memory-saver"]
         return cmd + list(cfg.extra_args)
 
+    def _check_port_free(self) -> None:
+        """Another server on the port would answer our health checks and requests as if it were ours."""
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: closed connections are no use
+            try:
+                s.bind((self.cfg.host, self.port))
+            except OSError as error:
+                field = "rollout.engine.base_port" if self.cfg.base_port else "rollout.engine"
+                raise ConfigError(f"{field}: port {self.port} on {self.cfg.host} (engine {self.index}) is in use "
+                                  f"({error.strerror}); choose another base_port, or 0 for free ports") from None
+
+    def _listening_here(self) -> bool:
+        """Whether the process answering on the port is this server's (the HTTP server or one of its children)."""
+        try:
+            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for proc in tree:
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in proc.net_connections()):
+                    return True
+            except psutil.NoSuchProcess:
+                continue
+        return False
+
     def start(self) -> None:
+        self._check_port_free()
         env = cpu.server_env(dict(os.environ), self.slots, self.slots_on_host) if cpu.on_cpu() else dict(os.environ)
         # SGLang's HTTP server drops a connection idle for 5 s; our client keeps its connections between rollouts
         # (training, checkpoints and validation take longer), and a request sent on a dropped one fails with
@@ -123,6 +150,10 @@ class ServerProcess:
                                    f"start-up; log tail ({self.log_path}):\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=10).status_code == 200:
+                    if not self._listening_here():
+                        self.stop()
+                        raise RuntimeError(f"SGLang engine {self.index}: the server answering on port {self.port} "
+                                           "is not the one started here")
                     return
             except requests.RequestException:
                 pass

@@ -48,10 +48,6 @@ class SyncStats:
     updated: list[int] = dataclasses.field(default_factory=list)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.bytes / max(self.seconds, 1e-9)
-
 
 class _PeakRSS:
     def __init__(self, interval_s: float = 0.005):

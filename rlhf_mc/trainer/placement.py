@@ -308,6 +308,18 @@ class EngineWorker:
         return getattr(self.engine, method)(*args)
 
 
+def _resource_text(resources: dict) -> str:
+    return ", ".join(f"{resources.get(k, 0):g} {k}" for k in ("GPU", "CPU"))
+
+
+def check_cluster_holds(devices: int, bundle: dict, resources: dict) -> None:
+    """Refuses at once a run the Ray cluster cannot hold (Ray would wait for resources that never come)."""
+    for kind, per in bundle.items():
+        if resources.get(kind, 0) < devices * per:
+            raise ConfigError(f"resources: the run asks for {devices} devices ({devices * per:g} {kind}), the Ray "
+                              f"cluster has {_resource_text(resources)}")
+
+
 class Cluster:
     """The placement group and what runs on it."""
 
@@ -318,8 +330,13 @@ class Cluster:
         start_ray(address, plan)
         self.recipe, self.plan, self.gpu = recipe, plan, plan.device == "cuda"
         bundle = {"CPU": 1, **({"GPU": 1} if self.gpu else {})}
+        check_cluster_holds(plan.devices, bundle, ray.cluster_resources())
         self.pg = placement_group([dict(bundle) for _ in range(plan.devices)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=600)
+        try:
+            ray.get(self.pg.ready(), timeout=600)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"resources: Ray placed none of the {plan.devices} bundles {bundle} within 600 s; "
+                              f"the cluster has {_resource_text(ray.available_resources())} free") from None
         self.slots, self.slot_nodes, self.slot_ips, self.slot_gpus = self._order_bundles()
         check_groups_on_one_node(plan, self.slot_nodes, recipe.resources.devices_per_node)
         self.train_bundles = self.slots[:plan.actor_world]

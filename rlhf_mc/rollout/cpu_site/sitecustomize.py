@@ -22,10 +22,16 @@ With the CUDA build of torch and no GPU:
   open without mapping it again (476 MB: ~36 ms a load). It costs no memory: the pages are the sender's staging.
 - Plain sampling draws an exponential per vocabulary entry on one core (10 ms per decode step of 256 requests over
   2048 tokens): unseeded draws use the inverse CDF instead (rlhf_mc/rollout/cpu_sampling.py).
+- SGLang starts its scheduler and detokenizer processes with multiprocessing's "spawn" (for CUDA, which a forked
+  child cannot initialize), so each imports SGLang and torch again. In a TP=1 server (RLHF_MC_FORK_SCHEDULER, set by
+  rlhf_mc/rollout/cpu.py) they are forked instead and start with the server's modules (and the patches above)
+  imported: a start took 23-39 s against 44-46 s. The server process has run no torch kernel before it starts them.
 """
 
 import importlib.abc
 import importlib.machinery
+import multiprocessing
+import os
 import sys
 
 import torch
@@ -83,6 +89,9 @@ def _staging_stays_mapped(tp_worker) -> None:
     tp_worker.BaseTpWorker.deserialize_own_rank = deserialize_own_rank
 
 
+# the release whose code these patches replace; any other is refused at the server's start, before it loads a model
+SGLANG_VERSION = "0.5.23"
+
 _PATCHES = {"sglang.srt.managers.tp_worker": _staging_stays_mapped,
             "sglang.srt.models.deepseek_common.attention_backend_handler": _absorbed_mla_on_torch_native,
             "sglang.srt.layers.attention.torch_native_backend": _batched_torch_native_attention,
@@ -104,11 +113,39 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
             def exec_and_patch(module):
                 exec_module(module)
-                patch(module)
+                try:
+                    patch(module)
+                except AttributeError as error:  # a release whose code moved: fail loudly, not serve unpatched
+                    raise RuntimeError(f"rlhf_mc's CPU patch {patch.__name__} of {name} found no {error.name!r} "
+                                       f"(written for sglang {SGLANG_VERSION})") from error
 
             spec.loader.exec_module = exec_and_patch
         return spec
 
 
+def _fork_instead_of_spawn() -> None:
+    set_start_method = multiprocessing.set_start_method
+
+    def set_fork_for_spawn(method, force=False):
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = set_fork_for_spawn
+
+
+def _check_sglang_version() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        return  # not an SGLang process's environment (this folder is on the server's PYTHONPATH only)
+    if found != SGLANG_VERSION:
+        raise RuntimeError(f"sglang {found}: rlhf_mc's CPU patches (rlhf_mc/rollout/cpu_site) are written for sglang "
+                           f"{SGLANG_VERSION}; install that release (tools/setup_env.sh)")
+
+
 if not torch.cuda.is_available():
+    _check_sglang_version()
     sys.meta_path.insert(0, _PatchAfterImport())
+    if os.environ.get("RLHF_MC_FORK_SCHEDULER") == "1":
+        _fork_instead_of_spawn()
