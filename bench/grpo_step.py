@@ -107,6 +107,7 @@ def trl_step(model_dir: Path, batch: tuple[int, int], response_length: int, step
     """Median step seconds and mean completion length; `chat`: the word task's prompts as conversations (TRL
     renders them with the model's chat template, as data.chat_template does), else the arithmetic ones after BOS."""
     import datasets
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -130,8 +131,6 @@ def trl_step(model_dir: Path, batch: tuple[int, int], response_length: int, step
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.start)
-
-    import torch
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = GRPOConfig(output_dir=str(model_dir.parent / "trl"), use_cpu=True, per_device_train_batch_size=prompts * n,

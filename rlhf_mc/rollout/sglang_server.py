@@ -113,13 +113,16 @@ class ServerProcess:
                 raise ConfigError(f"{field}: port {self.port} on {self.cfg.host} (engine {self.index}) is in use "
                                   f"({error.strerror}); choose another base_port, or 0 for free ports") from None
 
+    def _tree(self) -> list[psutil.Process]:
+        """The server's process and its children (scheduler, detokenizer); empty once it is gone."""
+        try:
+            return [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
     def _listening_here(self) -> bool:
         """Whether the process answering on the port is this server's (the HTTP server or one of its children)."""
-        try:
-            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return False
-        for proc in tree:
+        for proc in self._tree():
             try:
                 if any(c.status == psutil.CONN_LISTEN and c.laddr.port == self.port for c in proc.net_connections()):
                     return True
@@ -171,10 +174,7 @@ class ServerProcess:
         nothing a kill loses: the same /dev/shm files are left either way."""
         if self.proc is None:
             return
-        try:
-            tree = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
+        tree = self._tree()
         for proc in tree:
             try:
                 proc.send_signal(signal.SIGTERM)

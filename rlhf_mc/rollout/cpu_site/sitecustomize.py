@@ -147,5 +147,7 @@ def _check_sglang_version() -> None:
 if not torch.cuda.is_available():
     _check_sglang_version()
     sys.meta_path.insert(0, _PatchAfterImport())
-    if os.environ.get("RLHF_MC_FORK_SCHEDULER") == "1":
+    from rlhf_mc.rollout.cpu import FORK_SCHEDULER
+
+    if os.environ.get(FORK_SCHEDULER) == "1":
         _fork_instead_of_spawn()
