@@ -443,6 +443,60 @@ class RouterConfig:
         check_at_least(self, 0, "aux_loss_coef", "z_loss_coef", "bias_update_rate")
 
 
+# PEFT's names of the linear modules LoRA can adapt, and its shorthand for all of them
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the actor's linear layers (models/lora.py), with PEFT's names and semantics: y = W x +
+    (alpha / rank) B A dropout(x), A Kaiming-uniform and B zero at the start (the base model's outputs exactly).
+    target_modules: PEFT's module names (LORA_TARGETS) or ["all-linear"]. adapter_path: a PEFT adapter directory
+    to start from (its r, lora_alpha and target_modules must equal the fields here). The reference is the base with
+    the adapters off. sync: "adapter" loads the adapter into SGLang's LoRA serving at every sync (the base stays);
+    "merged" sends W + (alpha / rank) B A of the adapted layers only; auto: adapter where the engines serve LoRA
+    (GPU), merged on CPU. The engines' adapter endpoints accept code-bearing payloads: with sync=adapter they
+    listen on loopback or the cluster's private network only, unless allow_remote_engines."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    adapter_path: str = ""
+    export_merged: bool = False  # the run's end also writes the base with the adapters merged (final_hf)
+    sync: Literal["auto", "adapter", "merged"] = "auto"
+    allow_remote_engines: bool = False
+
+    def __post_init__(self):
+        if not self.enabled:
+            given = [f.name for f in dataclasses.fields(self) if f.name != "enabled"
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise ConfigError(f"{given[0]}: {getattr(self, given[0])!r} is read only with lora.enabled=true")
+            return
+        check_at_least(self, 1, "rank")
+        if self.alpha <= 0:
+            raise ConfigError(f"alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout: must lie in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("target_modules: empty; name PEFT modules (e.g. q_proj, v_proj) or all-linear")
+        for name in self.target_modules:
+            if name not in (*LORA_TARGETS, "all-linear"):
+                raise ConfigError(f"target_modules: {name!r} matches no linear layer of the model (its linear "
+                                  f"modules: {', '.join(LORA_TARGETS)}, or all-linear)")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The adapted HF modules, in LORA_TARGETS' order."""
+        return tuple(t for t in LORA_TARGETS if t in self.target_modules or "all-linear" in self.target_modules)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """Adam(W) through Megatron's optimizer, with a warmup + decay learning-rate schedule."""

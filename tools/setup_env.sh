@@ -28,6 +28,8 @@ pip_install -r requirements/sglang-cpu.txt
 pip_install --no-deps sglang==0.5.23
 # Megatron-Core first (so that the package's ">=0.16.1" finds it installed), then the package and its test extras.
 pip_install --no-deps --ignore-requires-python megatron-core==0.19.2
+# peft first and without its requirements (all already here; its accelerate pin would move the one below)
+pip_install --no-deps peft==0.21.2
 pip_install -e ".[test]" torch==2.14.1 torchvision==0.29.1
 # The optional loggers (trainer.loggers: wandb, mlflow), pinned: tests/test_metrics.py runs both, offline.
 pip_install wandb==0.30.0 mlflow-skinny==3.17.2 torch==2.14.1 torchvision==0.29.1

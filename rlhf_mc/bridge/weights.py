@@ -7,13 +7,16 @@ converted to HF layout). The plan is computed once per model and holds no
 tensors, so nothing in it can go stale between exports.
 write_hf_weights: the same buckets written in place, for ranks that share memory: each rank copies its own shards
 straight into the full HF tensors (no gather, no broadcast, one copy).
+A model with LoRA adapters (models/lora.py) exports its effective weights: each adapted base weight with its
+adapter's delta merged in, computed as the bucket reads it (no merged copy of the model is kept); the adapters
+themselves are not HF weights (models/lora.full_tensors gives them as PEFT's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,7 @@ from rlhf_mc.bridge.mapping import (Rule, expert_index, fused_group, is_exported
                                     to_hf)
 from rlhf_mc.bridge.safetensors_io import HFCheckpoint
 from rlhf_mc.config import ModelConfig
+from rlhf_mc.models import lora
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # A local expert's parameter: Megatron's SequentialMLP (local spec) and TE's grouped MLP name them differently.
@@ -56,6 +60,8 @@ def local_parameters(chunks) -> Iterator[tuple[int, str, str, torch.Tensor]]:
         first_expert = ps.get_expert_model_parallel_rank() * experts // ps.get_expert_model_parallel_world_size() \
             if experts else 0
         for name, param in weights(gpt):
+            if lora.is_adapter_parameter(name):
+                continue
             match = _LOCAL_LAYER.match(name)
             if match:  # local layer j -> global layer number (1-based in Megatron)
                 layer = gpt.decoder.layers[int(match.group(1))].layer_number - 1
@@ -96,6 +102,26 @@ def load_hf_weights(chunks, hf_dir, model: ModelConfig, progress: bool = False,
             param.copy_(shard)
 
 
+class _Exported(Mapping):
+    """(chunk index, local name) -> the tensor the bridge exports for that parameter: the parameter, or an adapted
+    base weight with its LoRA delta added (computed at each read)."""
+
+    def __init__(self, chunks):
+        self.params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
+        self.adapted = lora.merged_weights(chunks)
+
+    def __getitem__(self, key):
+        param = self.params[key]
+        adapter = self.adapted.get(key)
+        return param.detach() if adapter is None or not adapter.enabled else param.detach() + adapter.delta_weight()
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self):
+        return len(self.params)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanEntry:
     rule: Rule
@@ -127,16 +153,19 @@ class ExportPlan:
         return max(sum(self.entries[i].nbytes for i in bucket) for bucket in self.buckets)
 
 
-def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**20) -> ExportPlan:
+def build_export_plan(chunks, model: ModelConfig, bucket_bytes: int = 256 * 2**20, adapted_only: bool = False
+                      ) -> ExportPlan:
     """Every exported parameter of the model with its owner, shape and dtype, grouped in buckets of at most
-    `bucket_bytes` (a larger tensor gets a bucket of its own). Collective over the pipeline group."""
+    `bucket_bytes` (a larger tensor gets a bucket of its own); `adapted_only`: only the base weights LoRA adapters
+    change (a merged sync: the rest is the frozen base the engines hold). Collective over the pipeline group."""
     from megatron.core import parallel_state as ps
 
     tp, ep_rank = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    adapted = lora.merged_weights(chunks)
     local = []
     for chunk, local_name, name, param in local_parameters(chunks):
         rule = rule_for(name, model)
-        if is_exported(rule, model):
+        if is_exported(rule, model) and (not adapted_only or (chunk, local_name) in adapted):
             shape = list(param.shape)
             if rule.tp_dim is not None:
                 shape[rule.tp_dim] *= tp
@@ -189,21 +218,21 @@ def export_hf_weights(chunks, plan: ExportPlan, model: ModelConfig) -> Iterator[
     pp_rank, pp_group = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_group()
     tp, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     ep_rank, ep_group = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_group()
-    params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
-    device = next(iter(params.values())).device
+    params = _Exported(chunks)
+    device = next(iter(params.params.values())).device
     for bucket in plan.buckets:
         out = []
         for entry in (plan.entries[i] for i in bucket):
             tp_dim = entry.rule.tp_dim
             if entry.pp_rank == pp_rank and entry.ep_rank is not None:  # an expert: whole on one EP rank
                 if entry.ep_rank == ep_rank:
-                    full = params[(entry.chunk, entry.local_name)].detach()
+                    full = params[(entry.chunk, entry.local_name)]
                 else:
                     full = torch.empty(entry.shape, dtype=entry.dtype, device=device)
                 if dist.get_world_size(ep_group) > 1:
                     dist.broadcast(full, src=dist.get_global_rank(ep_group, entry.ep_rank), group=ep_group)
             elif entry.pp_rank == pp_rank:
-                local = params[(entry.chunk, entry.local_name)].detach()
+                local = params[(entry.chunk, entry.local_name)]
                 if tp_dim is not None and tp > 1:  # the shards in rank order along dim 0: the full tensor if tp_dim 0
                     gathered = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=device)
                     dist.all_gather_into_tensor(gathered, local.contiguous(), group=tp_group)
@@ -231,7 +260,7 @@ def write_hf_weights(chunks, plan: ExportPlan, model: ModelConfig,
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     first_replica = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     first_expert_replica = ps.get_expert_data_parallel_rank() == 0
-    params = {(chunk, local_name): param for chunk, local_name, _, param in local_parameters(chunks)}
+    params = _Exported(chunks)
     for b, bucket in enumerate(plan.buckets):
         targets = out(b)
         for entry in (plan.entries[i] for i in bucket):
@@ -240,7 +269,7 @@ def write_hf_weights(chunks, plan: ExportPlan, model: ModelConfig,
                     entry.ep_rank == ep_rank and first_expert_replica if entry.ep_rank is not None
                     else first_replica and (split or tp_rank == 0)):
                 continue
-            shard = params[(entry.chunk, entry.local_name)].detach()
+            shard = params[(entry.chunk, entry.local_name)]
             for name, piece in shard_pieces(entry.rule, shard, model):
                 target = targets[name]
                 if split:  # this rank's slice along tp_dim (dim 0 for the fused layouts)

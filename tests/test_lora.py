@@ -1,0 +1,199 @@
+"""LoRA on Megatron-Core (models/lora.py): against PEFT on the HF model (logits), TP / PP x VPP against one process
+(loss, gradients and values of A and B after an Adam step, log-probs, checkpoints resharded), the base untouched,
+the adapters off == the base model, PEFT directories in and out, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
+from rlhf_mc.data.trajectory import Trajectories
+from rlhf_mc.runtime.spawn import spawn
+from tests.conftest import write_tiny_qwen2
+from tests.test_train_step import LOSS, MODEL, OPTIM, STARTS, TOL, _data
+
+LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
+TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _random_adapter(model: ModelConfig, lora: LoraConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full PEFT tensors with B != 0 (PEFT starts B at zero, where A has no gradient)."""
+    from rlhf_mc.models.lora import part_shapes, peft_name
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = part_shapes(model)
+    return {peft_name(layer, part, m): 0.3 * torch.randn(*([lora.rank, shapes[part][1]] if m == "A" else
+                                                           [shapes[part][0], lora.rank]), generator=g)
+            for layer in range(model.num_layers) for part in lora.targets for m in "AB"}
+
+
+def _logits(chunks) -> torch.Tensor:
+    """Full-vocabulary logits of TOKENS (TP shards gathered); one pipeline stage."""
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        logits = chunks[0](TOKENS, torch.arange(TOKENS.size(1)).expand_as(TOKENS), None)
+    parts = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)
+
+
+def _against_peft(hf_dir: str, adapter_dir: str, parallel: ParallelConfig, out_dir: str) -> dict:
+    from rlhf_mc.bridge.adapters import read_peft_adapter, write_peft_adapter
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.models import lora
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.runtime import init_parallel
+
+    init_parallel(parallel)
+    model = model_config_from_hf(read_hf_config(hf_dir))
+    base, chunks = build_model(model, parallel), build_model(model, parallel)
+    for c in (base, chunks):
+        load_hf_weights(c, hf_dir, model)
+    lora.attach(chunks, model, LORA, seed=3)
+    zero_b = _logits(chunks)
+    lora.load_full(chunks, read_peft_adapter(adapter_dir, LORA, model))
+    with lora.adapters_off(chunks):
+        off = _logits(chunks)
+    full = lora.full_tensors(chunks)
+    if torch.distributed.get_rank() == 0:
+        write_peft_adapter(out_dir, full, LORA, hf_dir)
+    return {"base": _logits(base), "zero_b": zero_b, "on": _logits(chunks), "off": off,
+            "trainable": sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad), "full": full}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_equal_peft_and_start_as_the_base(tmp_path, tp):
+    """Our Megatron model with a PEFT adapter loaded gives PEFT's logits on the HF model; a fresh adapter (B = 0)
+    gives the base's bit for bit, and so do the adapters switched off (the reference) against a separate base model;
+    the adapter we write back is PEFT's, tensor for tensor, and loads in peft."""
+    import peft
+    import transformers as T
+    from safetensors.torch import load_file
+
+    hf_dir = write_tiny_qwen2(tmp_path / "base")
+    hf = T.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    peft_model = peft.get_peft_model(hf, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, init_lora_weights=False,
+                                                         target_modules=list(LORA.targets)))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    results = spawn(_against_peft, tp, str(hf_dir), str(tmp_path / "adapter"), ParallelConfig(tp=tp),
+                    str(tmp_path / "ours"))
+    with torch.no_grad():
+        expected = peft_model(TOKENS).logits
+    for r in results:
+        assert torch.equal(r["zero_b"], r["base"]) and torch.equal(r["off"], r["base"])
+        assert (r["on"] - expected).abs().max().item() < 1e-4
+        assert (r["on"] - r["base"]).abs().max().item() > 1  # the adapter does something
+        assert r["trainable"] * tp >= sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert sorted(results[0]["full"]) == sorted(saved)
+    assert all(torch.equal(results[0]["full"][k], saved[k]) for k in saved)
+    reloaded = peft.PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                              tmp_path / "ours")
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, expected)
+
+
+def _lora_step(parallel: ParallelConfig, ckpt: str, reference: bool) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.models import lora
+    from rlhf_mc.models.checkpoint import load_model, save_model
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.policy import compute_log_prob
+    from rlhf_mc.workers.train import train_step
+
+    init_parallel(parallel, seed=11)
+    chunks = build_model(MODEL, parallel)
+    lora.attach(chunks, MODEL, LORA, seed=5)
+    if reference:
+        lora.load_full(chunks, _random_adapter(MODEL, LORA))
+        save_model(chunks, Path(ckpt) / "lora0")
+    else:  # the base and the adapters resharded from the single process's checkpoint
+        load_model(chunks, Path(ckpt) / "lora0")
+    frozen = [(p, p.detach().clone()) for c in chunks for p in c.parameters() if not p.requires_grad]
+    state = setup_training(chunks, dataclasses.replace(OPTIM, use_distributed_optimizer=False))
+    seqs, per_token = _data()
+    batch = Trajectories.single_turn(seqs, STARTS, per_token)
+    metrics = train_step(state, batch, LOSS, temperature=0.9, micro_batch_tokens=40)
+    in_optimizer = sum(p.numel() for g in state.optimizer.param_groups for p in g["params"])
+    return {"metrics": metrics, "grads": lora.full_tensors(chunks, of=lambda p: p.main_grad),
+            "after": lora.full_tensors(chunks), "base_change": max((p - p0).abs().max().item() for p, p0 in frozen),
+            "in_optimizer": in_optimizer, "dp": ps.get_data_parallel_world_size(),
+            "logprobs": compute_log_prob(chunks, batch, 0.9, micro_batch_tokens=40)["logprobs"]}
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("lora_ref")
+    (result,) = spawn(_lora_step, 1, ParallelConfig(), str(ckpt), True)
+    return str(ckpt), result
+
+
+@pytest.mark.parametrize("name, parallel", [("tp2", ParallelConfig(tp=2)), ("pp2_vpp2", ParallelConfig(pp=2, vpp=2))])
+def test_lora_step_matches_single_process(single_process, name, parallel):
+    ckpt, expected = single_process
+    adapter_numel = sum(t.numel() for t in expected["after"].values())
+    assert expected["in_optimizer"] == adapter_numel  # the base is not in the optimizer
+    assert expected["base_change"] == 0
+    assert all(g.abs().max() > 0 for g in expected["grads"].values())  # A and B get gradients
+    results = spawn(_lora_step, parallel.min_world_size, parallel, ckpt, False)
+    rank0 = results[0]
+    assert sorted(rank0["grads"]) == sorted(expected["grads"])
+    for key in expected["grads"]:
+        assert (rank0["grads"][key] - expected["grads"][key]).abs().max().item() < TOL, f"{name}: grad of {key}"
+        assert (rank0["after"][key] - expected["after"][key]).abs().max().item() < TOL, f"{name}: {key} after"
+    for r in results:
+        assert r["base_change"] == 0
+        assert abs(r["metrics"]["grad_norm"] - expected["metrics"]["grad_norm"]) < TOL, name
+        if "pg_loss" in r["metrics"]:
+            for key in ("pg_loss", "kl_loss", "entropy"):
+                assert abs(r["metrics"][key] - expected["metrics"][key]) < TOL, f"{name}: {key}"
+        assert (r["logprobs"] - expected["logprobs"]).abs().max().item() < TOL, f"{name}: log-probs after the step"
+
+
+# ------------------------------------------------------------ bad input: one line, the field and the value
+
+def test_lora_fields_are_checked():
+    from rlhf_mc.models.lora import check_lora
+
+    with pytest.raises(ConfigError, match=r"^target_modules: 'qkv_proj' matches no linear layer"):
+        LoraConfig(enabled=True, target_modules=("q_proj", "qkv_proj"))
+    with pytest.raises(ConfigError, match=r"^rank: 16 is read only with lora.enabled=true"):
+        LoraConfig(rank=16)
+    with pytest.raises(ConfigError, match=r"^dropout: must lie in \[0, 1\), got 1.5"):
+        LoraConfig(enabled=True, dropout=1.5)
+    # tiny-llama: 2 kv heads x 16 = 32 outputs of k_proj
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank: 33 exceeds the width of k_proj \(32"):
+        check_lora(LoraConfig(enabled=True, rank=33), MODEL, use_te=False)
+    check_lora(LoraConfig(enabled=True, rank=32), MODEL, use_te=False)
+    with pytest.raises(ConfigError, match=r"^actor.lora.enabled: LoRA runs on the local layer spec only"):
+        check_lora(LORA, MODEL, use_te=True)
+
+
+def test_adapter_of_another_base_is_refused(tmp_path):
+    import peft
+    import transformers as T
+
+    from rlhf_mc.bridge.adapters import read_peft_adapter
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+
+    ours = model_config_from_hf(read_hf_config(write_tiny_qwen2(tmp_path / "ours")))
+    other = T.Qwen2ForCausalLM(T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+    peft.get_peft_model(other, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA.targets))
+                        ).save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"^actor.lora.adapter_path: .*\.(\w+)\.lora_A\.weight has shape \[4, (32|64)\], "
+                                          r"this model's \1 needs \[4, (64|128)\]: another base model\?$"):
+        read_peft_adapter(tmp_path / "other", LORA, ours)
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank: 8, but the adapter at .* has 4: set it to match$"):
+        read_peft_adapter(tmp_path / "other", LoraConfig(enabled=True), ours)
+    with pytest.raises(ConfigError, match=r"^actor.lora.adapter_path: .* is not a PEFT adapter directory"):
+        read_peft_adapter(tmp_path / "ours", LORA, ours)
