@@ -605,6 +605,10 @@ class RolloutConfig:
     # start with random weights (--load-format dummy; model_path needs a config.json alone): the trainer's first sync
     # replaces them, so its engines start beside the SFT stage and the workers, not after them (set by the trainer)
     random_weights: bool = False
+    # a PEFT adapter directory the servers start with, served as LORA_NAME, which every request then generates with
+    # (LoRA serving; the trainer's adapter sync replaces it: sync/transports.AdapterTensors); set by the trainer.
+    # A client of attached servers that serve LORA_NAME: any non-empty value
+    lora_adapter: str = ""
     # samples one engine is sent at once by a generate call: a batched request, which SGLang's scheduler batches and
     # refills; more wait for it to end
     max_concurrency: int = 1024

@@ -197,3 +197,103 @@ def test_adapter_of_another_base_is_refused(tmp_path):
         read_peft_adapter(tmp_path / "other", LoraConfig(enabled=True), ours)
     with pytest.raises(ConfigError, match=r"^actor.lora.adapter_path: .* is not a PEFT adapter directory"):
         read_peft_adapter(tmp_path / "ours", LORA, ours)
+
+
+# ------------------------------------------------------------ sync into SGLang: the adapter, or the adapted layers
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200, 3]]
+
+
+def _synced_actor(model_dir: str, address: str, transport: str, parallel: ParallelConfig) -> dict:
+    """A LoRA actor (adapter from _random_adapter) trains two steps; after each, a sync to the engine at
+    `address`, then the engine's greedy samples and their log-probs against the actor's."""
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.bridge.weights import load_hf_weights
+    from rlhf_mc.config import PolicyLossConfig, RolloutConfig
+    from rlhf_mc.models import lora
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.rollout.base import SamplingParams
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.sync.transports import connect
+    from rlhf_mc.sync.weights import WeightSync, check_versions
+    from rlhf_mc.workers.policy import compute_log_prob
+    from rlhf_mc.workers.train import train_step
+
+    init_parallel(parallel, seed=3)
+    model = model_config_from_hf(read_hf_config(model_dir))
+    chunks = build_model(model, parallel)
+    load_hf_weights(chunks, model_dir, model)
+    lora.attach(chunks, model, LORA, seed=1)
+    lora.load_full(chunks, _random_adapter(model, LORA, seed=1))
+    state = setup_training(chunks, OptimizerConfig(lr=2e-2, weight_decay=0.0))
+    sync = WeightSync(chunks, model, connect(transport, [address], [list(range(parallel.tp))], config_from=model_dir,
+                                             adapter=LORA), bucket_bytes=20_000, adapted_only=transport != "adapter")
+    client = SGLangEngine(RolloutConfig(addresses=(address,), lora_adapter="" if transport != "adapter" else "served"))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (14, 9, 20)]
+    starts = [4, 3, 6]
+    per_token = {"advantages": [torch.randn(len(s) - st, generator=g) for s, st in zip(seqs, starts)],
+                 "old_logprobs": [torch.full((len(s) - st,), -5.5) for s, st in zip(seqs, starts)]}
+    steps = []
+    for version in (1, 2):
+        stats = sync.sync(chunks, version)
+        box = [None]
+        if torch.distributed.get_rank() == 0:
+            samples = client.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+            check_versions([v for s in samples for v in s.versions], version)
+            box = [[(s.response_ids, s.logprobs) for s in samples]]
+        torch.distributed.broadcast_object_list(box, src=0)
+        batch = Trajectories.single_turn([p + r for p, (r, _) in zip(PROMPTS, box[0])], [len(p) for p in PROMPTS])
+        actor = batch.masked(compute_log_prob(chunks, batch)["logprobs"])
+        steps.append({"diff": max((torch.tensor(lp) - a).abs().max().item() for (_, lp), a in zip(box[0], actor)),
+                      "greedy": [r for r, _ in box[0]], "stats": stats})
+        train_step(state, Trajectories.single_turn(seqs, starts, per_token), PolicyLossConfig(), micro_batch_tokens=64)
+    return {"steps": steps, "transport": type(sync.transport).__name__,
+            "plan_bytes": None if sync.plan is None else sync.plan.total_bytes}
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_hf_model, tmp_path_factory):
+    """An engine serving the tiny model with LoRA on (as the trainer launches it: a zero adapter to start)."""
+    from rlhf_mc.bridge.adapters import write_peft_adapter
+    from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.models.lora import zero_adapter
+    from rlhf_mc.rollout.sglang_engine import SGLangEngine
+
+    model = model_config_from_hf(read_hf_config(tiny_hf_model))
+    adapter = tmp_path_factory.mktemp("engine_adapter") / "adapter"
+    write_peft_adapter(adapter, zero_adapter(model, LORA), LORA, str(tiny_hf_model))
+    engine = SGLangEngine(RolloutConfig(model_path=str(tiny_hf_model), dtype="float32", lora_adapter=str(adapter)),
+                          log_dir=tmp_path_factory.mktemp("lora_engine_logs"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["adapter", "tensor"])
+def test_engine_follows_the_lora_actor(transport, request, tiny_hf_model):
+    """After each sync the engine's log-probs of its greedy samples equal the TP=2 actor's: the adapter served by
+    SGLang's LoRA (replaced at each sync, the base untouched), or the adapted layers merged (the rest left as the
+    engine holds it)."""
+    from rlhf_mc.rollout.sglang_engine import LAUNCH_VERSION
+
+    engine = request.getfixturevalue("lora_engine" if transport == "adapter" else "sglang_engine")
+    address = engine.urls[0].removeprefix("http://")
+    try:
+        first = spawn(_synced_actor, 2, str(tiny_hf_model), address, transport, ParallelConfig(tp=2))[0]
+    finally:
+        if transport != "adapter":  # the shared engine goes back to the checkpoint's weights
+            engine.update_weights_from_disk(str(tiny_hf_model), version=LAUNCH_VERSION)
+    for step in first["steps"]:
+        assert step["diff"] < 1e-4 and not step["stats"].failed
+    assert first["steps"][0]["greedy"] != first["steps"][1]["greedy"], "the update did not reach the engine"
+    # the tiny model: 2 layers, hidden 64, q 64, k/v 32, MLP 128 wide; rank 4 on the 7 modules
+    stats = first["steps"][0]["stats"]
+    if transport == "adapter":  # A and B of each module: 4 x 1024 parameters a layer
+        assert first["transport"] == "AdapterTensors"
+        assert (stats.bytes, stats.tensors, stats.buckets) == (2 * 4 * 1024 * 4, 2 * 2 * 7, 1)
+    else:  # the adapted base weights only (not the embeddings, the head, the norms or the qkv bias)
+        assert first["transport"] == "SharedStaging"
+        assert stats.bytes == first["plan_bytes"] == 2 * (3 * 64 * 64 + 3 * 128 * 64) * 4

@@ -18,6 +18,14 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+def peft_config(lora: LoraConfig, base_model: str) -> dict:
+    """adapter_config.json of our adapters."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": sorted(lora.targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "modules_to_save": None, "inference_mode": True}
+
+
 def write_peft_adapter(out: str | Path, tensors: dict[str, torch.Tensor], lora: LoraConfig, base_model: str) -> None:
     """`tensors`: PEFT name -> full tensor (models/lora.full_tensors)."""
     from safetensors.torch import save_file
@@ -26,11 +34,7 @@ def write_peft_adapter(out: str | Path, tensors: dict[str, torch.Tensor], lora: 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-              "target_modules": sorted(lora.targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-              "use_dora": False, "modules_to_save": None, "inference_mode": True}
-    (tmp / CONFIG).write_text(json.dumps(config, indent=1))
+    (tmp / CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=1))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -59,6 +59,20 @@ def part_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (ffn, h), "down_proj": (h, ffn)}
 
 
+def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
+    """The adapters' parameters over the whole model."""
+    shapes = part_shapes(model)
+    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)
+
+
+def zero_adapter(model: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """PEFT tensors of an adapter that changes nothing (A = B = 0): what LoRA-serving engines start with."""
+    shapes = part_shapes(model)
+    return {peft_name(layer, part, m): torch.zeros([lora.rank, shapes[part][1]] if m == "A" else
+                                                   [shapes[part][0], lora.rank])
+            for layer in range(model.num_layers) for part in lora.targets for m in "AB"}
+
+
 def check_lora(lora: LoraConfig, model: ModelConfig, use_te: bool, field: str = "actor.lora") -> None:
     """What the model's layers allow, before any process starts: one-line ConfigErrors naming the field."""
     if not lora.enabled:

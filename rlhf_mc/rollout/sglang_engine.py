@@ -44,7 +44,7 @@ import torch
 from rlhf_mc.config import ConfigError, RolloutConfig
 from rlhf_mc.rollout import cpu
 from rlhf_mc.rollout.base import RolloutSample, SamplingParams
-from rlhf_mc.rollout.sglang_server import ServerProcess
+from rlhf_mc.rollout.sglang_server import LORA_NAME, ServerProcess
 from rlhf_mc.runtime.spawn import free_port
 
 log = logging.getLogger(__name__)
@@ -382,6 +382,8 @@ class SGLangEngine:
                            "sampling_params": [entry.sampling for entry in batch], "return_logprob": True}
                 if self.cfg.return_routed_experts:
                     request["return_routed_experts"] = True
+                if self.cfg.lora_adapter:
+                    request["lora_path"] = LORA_NAME
                 answered_by, outputs = self._generate_request(request, engine)
                 served += [self._sample(entry, answered_by, out) for entry, out in zip(batch, outputs, strict=True)]
             return served
@@ -444,6 +446,21 @@ class SGLangEngine:
         self._call(engine, "POST", "/update_weights_from_tensor",
                    {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
                     **self._bucket_labels(version, last)})
+
+    def load_adapter(self, engine: int, config: dict, payloads: list[str], version: int) -> None:
+        """Replaces the engine's LoRA adapter (LORA_NAME) with the one in `payloads` (one serialized {PEFT name:
+        tensor} per TP rank; `config`: its adapter_config.json) and labels the engine `version`. The base weights
+        stay. SGLang refuses to load a name that is loaded: the old one goes first (its prefix cache with it: a
+        loaded adapter has an id of its own)."""
+        if len(payloads) != self.engine_tp[engine]:
+            raise ValueError(f"engine {engine} has {self.engine_tp[engine]} TP ranks, got {len(payloads)} payloads")
+        self._call(engine, "POST", "/unload_lora_adapter", {"lora_name": LORA_NAME})
+        self.versions[engine] = INCONSISTENT_VERSION
+        self._call(engine, "POST", "/load_lora_adapter_from_tensors",
+                   {"lora_name": LORA_NAME, "config_dict": config, "serialized_named_tensors": payloads})
+        self._call(engine, "POST", "/update_weight_version", {"new_version": str(version),
+                                                              "abort_all_requests": False})
+        self.versions[engine] = version
 
     def end_weight_update(self, engine: int, version: int) -> None:
         """Closes the session; the engine holds `version`, which its last bucket labelled it with."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,8 @@ import requests
 
 from rlhf_mc.config import ConfigError, RolloutConfig
 from rlhf_mc.rollout import cpu
+
+LORA_NAME = "policy"  # the adapter a LoRA-serving engine generates with (RolloutConfig.lora_adapter)
 
 
 def _die_with_parent() -> None:
@@ -91,6 +94,14 @@ class ServerProcess:
             cmd += ["--enable-return-routed-experts"]
         if cfg.random_weights:
             cmd += ["--load-format", "dummy"]
+        if cfg.lora_adapter:
+            adapter = json.loads((Path(cfg.lora_adapter) / "adapter_config.json").read_text())
+            # one adapter, replaced at every sync: one slot in the batch
+            cmd += ["--enable-lora", "--max-lora-rank", str(adapter["r"]), "--lora-target-modules",
+                    *adapter["target_modules"], "--lora-paths", f"{LORA_NAME}={cfg.lora_adapter}",
+                    "--max-loras-per-batch", "1"]
+            if cpu.on_cpu():  # the other backends are triton kernels (GPU)
+                cmd += ["--lora-backend", "torch_native"]
         if cpu.on_cpu():
             cmd += cpu.server_args(cfg.max_total_tokens, cfg.mem_fraction_static)
         else:

@@ -17,6 +17,8 @@ transport drains what it does not send), or written in place by every rank (Shar
 - Broadcast ("distributed", disaggregated placement): global rank 0 broadcasts each flattened bucket over a gloo /
   NCCL group it forms with every engine rank.
 - Disk ("disk", fallback and debugging): rank 0 writes an HF checkpoint and every engine reloads it.
+- AdapterTensors ("adapter", LoRA): the adapters alone, gathered to rank 0 as PEFT tensors and loaded into every
+  engine's LoRA serving, replacing the last sync's; the base weights the engines started with stay.
 
 `send` returns, on each rank that drove engines, the engines it updated and the ones that failed (with the error):
 a failure never leaves the other ranks waiting in a collective, and the caller restarts and re-syncs those engines.
@@ -36,8 +38,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from rlhf_mc.bridge.adapters import peft_config
 from rlhf_mc.bridge.weights import ExportPlan, export_hf_weights, write_hf_weights
-from rlhf_mc.config import ModelConfig, RolloutConfig
+from rlhf_mc.config import LoraConfig, ModelConfig, RolloutConfig
+from rlhf_mc.models import lora
 from rlhf_mc.rollout import cpu
 from rlhf_mc.rollout.sglang_engine import (SGLangEngine, flat_layout, flat_views, serialize_flat, shared_staging,
                                            tensor_payload, unlink_staging)
@@ -299,11 +303,51 @@ class Disk(_FromRankZero):
             self.client.update_weights_from_disk(tmp, version)
 
 
+class AdapterTensors:
+    def __init__(self, addresses: list[str], adapter: LoraConfig, base_model: str):
+        self.client = _client(addresses) if dist.get_rank() == 0 else None
+        self.adapter, self.config = adapter, peft_config(adapter, base_model)
+        # The last payload's tensors, kept until the next load replaces them: the engine keeps some of the adapter's
+        # tensors as it received them (sglang/srt/lora/lora.py stores loaded_weight.cpu(): on CPU the sender's shared
+        # memory itself) and copies them into its pool only at their first use.
+        self.sent: dict[str, torch.Tensor] | None = None
+
+    def send(self, chunks, plan: ExportPlan | None, model: ModelConfig, version: int,
+             engines: Iterable[int] | None = None) -> SendResult | None:
+        """Rank 0 drives `engines` (default: all); an engine that fails is reported, the others are updated."""
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        tensors = lora.full_tensors(chunks)  # collective
+        if self.client is None:
+            return None
+        fresh = {name: t.clone() for name, t in tensors.items()}  # never a parameter's own memory
+        if cpu.on_cpu():
+            cpu.prepare_tensor_sender()
+        serialized = MultiprocessingSerializer.serialize(fresh, output_str=True)
+        updated, failed = [], {}
+        for e in sorted(range(len(self.client.urls)) if engines is None else engines):
+            try:
+                self.client.pause([e])
+                self.client.load_adapter(e, self.config, [serialized] * self.client.engine_tp[e], version)
+                self.client.resume([e])
+                updated.append(e)
+            except Exception as error:  # noqa: BLE001 - reported to the driver, which restarts the engine
+                failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
+        self.sent = fresh
+        return SendResult(updated, failed)
+
+    def unlink_staging(self) -> None:
+        """Nothing to remove: torch's shared-memory manager frees the payloads' files."""
+
+
 def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | None = None,
-            master_address: str = "127.0.0.1", config_from: str | None = None):
-    """The transport `kind` ("tensor" | "distributed" | "disk") to the engines at `addresses`; collective over the
-    actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" `config_from`. On CPU with
-    every actor rank on one host, "tensor" is SharedStaging."""
+            master_address: str = "127.0.0.1", config_from: str | None = None, adapter: LoraConfig | None = None):
+    """The transport `kind` ("tensor" | "distributed" | "disk" | "adapter") to the engines at `addresses`;
+    collective over the actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" and "adapter"
+    `config_from` (the base model's HF checkpoint), "adapter" the actor's LoRA `adapter`. On CPU with every actor
+    rank on one host, "tensor" is SharedStaging."""
+    if kind == "adapter":
+        return AdapterTensors(addresses, adapter, config_from)
     if kind == "tensor":
         if engine_ranks is None:
             raise ValueError("the tensor transport needs engine_ranks: which trainer ranks share each engine's devices")

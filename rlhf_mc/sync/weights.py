@@ -17,9 +17,10 @@ import psutil
 
 from rlhf_mc.bridge.weights import build_export_plan
 from rlhf_mc.config import ModelConfig
-from rlhf_mc.sync.transports import Broadcast, ColocatedTensors, Disk, SharedStaging
+from rlhf_mc.models import lora
+from rlhf_mc.sync.transports import AdapterTensors, Broadcast, ColocatedTensors, Disk, SharedStaging
 
-Transport = Union[SharedStaging, ColocatedTensors, Broadcast, Disk]
+Transport = Union[SharedStaging, ColocatedTensors, Broadcast, Disk, AdapterTensors]
 
 
 class StaleWeights(RuntimeError):
@@ -72,9 +73,19 @@ class _PeakRSS:
 
 
 class WeightSync:
-    def __init__(self, chunks, model: ModelConfig, transport: Transport, bucket_bytes: int = 256 * 2**20):
+    def __init__(self, chunks, model: ModelConfig, transport: Transport, bucket_bytes: int = 256 * 2**20,
+                 adapted_only: bool = False):
+        """`adapted_only`: only the base weights LoRA adapters change, merged (bridge.weights). The adapter
+        transport sends the LoRA adapters alone (no plan)."""
         self.model, self.transport = model, transport
-        self.plan = build_export_plan(chunks, model, bucket_bytes)
+        if isinstance(transport, AdapterTensors):
+            self.plan = None
+            element = next(p for c in chunks for p in c.parameters()).element_size()
+            self.buckets, self.tensors = 1, 2 * model.num_layers * len(transport.adapter.targets)  # A and B each
+            self.bytes = lora.adapter_numel(model, transport.adapter) * element
+            return
+        self.plan = build_export_plan(chunks, model, bucket_bytes, adapted_only)
+        self.buckets, self.bytes = len(self.plan.buckets), self.plan.total_bytes
         self.tensors = sum(len(entry.rule.hf_names) for entry in self.plan.entries)  # HF tensors a sync moves
 
     def sync(self, chunks, version: int, engines: Iterable[int] | None = None) -> SyncStats:
@@ -83,6 +94,6 @@ class WeightSync:
         start = time.perf_counter()
         with _PeakRSS() as memory:
             result = self.transport.send(chunks, self.plan, self.model, version, engines)
-        return SyncStats(version, self.plan.total_bytes, len(self.plan.buckets), self.tensors,
+        return SyncStats(version, self.bytes, self.buckets, self.tensors,
                          time.perf_counter() - start, (memory.peak - memory.start) / 2**20,
                          result.updated if result else [], result.failed if result else {})

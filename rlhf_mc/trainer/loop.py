@@ -21,10 +21,12 @@ import torch
 from tqdm import tqdm
 
 from rlhf_mc.algorithms import core
+from rlhf_mc.bridge.adapters import write_peft_adapter
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from rlhf_mc.config import RouterConfig
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.data.trajectory import Trajectories
+from rlhf_mc.models.lora import zero_adapter
 from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.tools.executor import tool_schema
@@ -194,8 +196,13 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             # step-0 sync replaces (every run syncs before its first rollout).
             logger.phase("start engines")
             engine_from = start_from or _config_only(run_dir / "engine_config", hf_config)
+            lora_adapter = ""
+            if plan.sync_transport == "adapter":  # the engines serve the base plus an adapter the syncs replace
+                lora_adapter = str(run_dir / "engine_adapter")
+                write_peft_adapter(lora_adapter, zero_adapter(model, recipe.actor.lora), recipe.actor.lora,
+                                   str(engine_from))
             cluster.launch_engines(engine_from, run_dir / "logs", routed_experts=bool(model.num_experts),
-                                   random_weights=start_from is None)
+                                   random_weights=start_from is None, lora_adapter=lora_adapter)
             if plan.engines_release_memory:
                 # GPUs shared with the trainer: the engines take their memory and give it back before any worker
                 # allocates
@@ -207,8 +214,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         if recipe.sft.only:
             return logger.last
         logger.phase("start workers")
+        lora = recipe.actor.lora
         actor = cluster.worker_group("actor", model, recipe.actor.parallel, recompute=recipe.actor.recompute,
-                                     router=recipe.actor.router)
+                                     router=recipe.actor.router, lora=lora)
         if not init_hf.is_dir() and not recipe.model.path:  # random init: the actor's, for the roles that load it
             actor.export_hf(str(init_hf), hf_config, tokenizer_dir)
         init_hf = init_hf if init_hf.is_dir() else Path(recipe.model.path)
@@ -227,7 +235,9 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                                       plan.engines_release_memory)
         logger.phase("load weights")
         actor.load_hf(str(init_hf))
-        if recipe.uses_reference:
+        if lora.adapter_path:
+            actor.load_adapter(lora.adapter_path)
+        if recipe.uses_reference and not lora.enabled:  # with LoRA: the base, adapters off
             actor.keep_reference()
         actor.setup_optimizer(recipe.actor.optim)
         if reference is not actor:
@@ -260,8 +270,11 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         schedule.finish()
         if recipe.trainer.export_hf:
             logger.phase("export")
-            shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
-            actor.export_hf(str(run_dir / "final_hf"), hf_config, tokenizer_dir)
+            if lora.enabled:
+                actor.export_adapter(str(run_dir / "final_adapter"), str(init_hf))
+            if not lora.enabled or lora.export_merged:
+                shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
+                actor.export_hf(str(run_dir / "final_hf"), hf_config, tokenizer_dir)
         return metrics
     finally:
         logger.close()

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RolloutConfig, RouterConfig
+from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, RolloutConfig, RouterConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
 from rlhf_mc.runtime import host
@@ -84,7 +84,7 @@ class WorkerGroup:
 
     def __init__(self, name: str, pg, bundles: list[int], model: ModelConfig, parallel: ParallelConfig, dtype: str,
                  seed: int, gpu: bool, recompute: str = "none", value_head: bool = False,
-                 router: RouterConfig = RouterConfig(), log_dir: Path | None = None):
+                 router: RouterConfig = RouterConfig(), log_dir: Path | None = None, lora: LoraConfig = LoraConfig()):
         """`log_dir`: each rank's output goes to <log_dir>/<name>-rank<r>.log."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -102,7 +102,7 @@ class WorkerGroup:
         self.workers = [remote(name=f"{name}-rank{rank}", num_cpus=share, num_gpus=share if gpu else 0,
                                scheduling_strategy=strategy(b)).remote(
             rank, world, model, parallel, dtype, seed, recompute, value_head, router,
-            str(log_dir / f"{name}-rank{rank}.log") if log_dir else None)
+            str(log_dir / f"{name}-rank{rank}.log") if log_dir else None, lora)
             for rank, b in enumerate(bundles)]
         master = ray.get(self.workers[0].store_address.remote())
         self.layout: list[RankLayout] = [RankLayout(**x) for x in self._call("start", master)]
@@ -115,6 +115,9 @@ class WorkerGroup:
 
     def load_hf(self, path: str, value_head_from: str | None = None) -> None:
         self._call("load_hf", path, value_head_from)
+
+    def load_adapter(self, path: str) -> None:
+        self._call("load_adapter", path)
 
     def setup_optimizer(self, optim) -> None:
         self._call("setup_optimizer", optim)
@@ -132,6 +135,9 @@ class WorkerGroup:
 
     def export_hf(self, path: str, config: dict, tokenizer_dir: str | None) -> None:
         self._call("export_hf", path, config, tokenizer_dir)
+
+    def export_adapter(self, path: str, base_model: str) -> None:
+        self._call("export_adapter", path, base_model)
 
     def offload(self, part: str = "all") -> None:
         self._call("offload", part)
@@ -308,6 +314,17 @@ class EngineWorker:
         return getattr(self.engine, method)(*args)
 
 
+def check_private(host: str) -> None:
+    """An engine that accepts LoRA adapters listens on loopback or a private network only."""
+    import ipaddress
+
+    address = ipaddress.ip_address(host)
+    if not (address.is_loopback or address.is_private):
+        raise ConfigError(f"actor.lora.allow_remote_engines: the engines would serve LoRA adapters on {host}, a "
+                          "public address (SGLang's adapter-from-tensors endpoint has had a remote-code CVE, "
+                          "CVE-2026-15969); use a private cluster network, or set it true to accept the risk")
+
+
 def _resource_text(resources: dict) -> str:
     return ", ".join(f"{resources.get(k, 0):g} {k}" for k in ("GPU", "CPU"))
 
@@ -371,25 +388,29 @@ class Cluster:
         return dict(enumerate(self.slot_nodes))
 
     def worker_group(self, name: str, model: ModelConfig, parallel: ParallelConfig, value_head: bool = False,
-                     recompute: str = "none", router: RouterConfig = RouterConfig()) -> WorkerGroup:
+                     recompute: str = "none", router: RouterConfig = RouterConfig(), lora: LoraConfig = LoraConfig()
+                     ) -> WorkerGroup:
         group = WorkerGroup(name, self.pg, self.train_bundles, model, parallel, self.recipe.model.dtype,
                             self.recipe.trainer.seed, self.gpu, recompute, value_head, router,
-                            Path(self.recipe.trainer.output_dir) / "logs")
+                            Path(self.recipe.trainer.output_dir) / "logs", lora)
         self.groups.append(group)
         return group
 
     def launch_engines(self, model_path: str, log_dir: Path, routed_experts: bool = False,
-                       random_weights: bool = False) -> None:
+                       random_weights: bool = False, lora_adapter: str = "") -> None:
         """Launches the SGLang engines from an HF checkpoint (or attaches to rollout.engine.addresses) without
         waiting for them (engine_addresses waits). Servers listen on 127.0.0.1 unless the run spans nodes.
         `routed_experts`: samples come with the experts their tokens were routed to (mixture-of-experts models).
         `random_weights`: `model_path` holds a config alone; the servers start with random weights, which the
-        first sync replaces."""
+        first sync replaces. `lora_adapter`: the engines serve this PEFT adapter (RolloutConfig.lora_adapter); they
+        must then listen on loopback or a private network (SGLang's adapter endpoints have had a remote-code CVE)
+        unless actor.lora.allow_remote_engines."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path,
-                                  return_routed_experts=routed_experts, random_weights=random_weights)
+                                  return_routed_experts=routed_experts, random_weights=random_weights,
+                                  lora_adapter=lora_adapter)
         # generate calls at once: one rollout (sync modes) or every group the staleness bound admits (async), and
         # the driver's control calls beside them
         r = self.recipe.rollout
@@ -417,6 +438,8 @@ class Cluster:
             # the trainer rank that feeds its payloads when colocated).
             visible = ",".join(str(self.slot_gpus[s]) for s in slots) if self.gpu else None
             host = self.slot_ips[first] if spans_nodes else "127.0.0.1"
+            if lora_adapter and not self.recipe.actor.lora.allow_remote_engines:
+                check_private(host)
             engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=self.slots[first])

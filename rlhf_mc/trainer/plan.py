@@ -8,8 +8,10 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+from rlhf_mc.bridge.adapters import read_peft_adapter
 from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
 from rlhf_mc.data.dataset import DATA_SUFFIXES
+from rlhf_mc.models.lora import check_lora
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -37,6 +39,7 @@ class Plan:
     tp_groups: list[tuple[str, int, int]]  # (role, tensor-parallel size, world) of each Megatron group
     engines: list[tuple[int, int]]  # launched engines: (first device slot, TP size)
     placement: list[dict]  # one row per device: node, device index, roles
+    lora: str = ""  # the actor's adapters, in words (empty: full fine-tuning)
 
     @property
     def engines_release_memory(self) -> bool:
@@ -61,6 +64,7 @@ class Plan:
                 + ("; colocated: engines release their memory while the trainer works" if self.engines_release_memory
                    else "; colocated (on CPU the engines keep their memory: a release frees nothing)"
                    if self.colocated else ""),
+                *([f"LoRA: {self.lora}"] if self.lora else []),
                 "placement:"]
         rows += [f"  node {p['node']} device {p['device']}: {', '.join(p['roles'])}" for p in self.placement]
         return rows
@@ -135,6 +139,7 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
             raise ConfigError(f"{role}.parallel.tp: {section.parallel.tp} with a mixture-of-experts model: Megatron "
                               "trains MoE with TP only with sequence parallelism, whose norms need Transformer Engine "
                               "(GPU); on CPU use tp=1 (and ep to split the experts)")
+    check_lora(recipe.actor.lora, model, use_te=False)  # Transformer Engine: refused where it loads (the workers)
     if model.family == "qwen3_moe" and model.dense_layer_ids:
         raise ConfigError(f"model: a Qwen3-MoE model with dense layers {list(model.dense_layer_ids)} (mlp_only_layers / "
                           "decoder_sparse_step): SGLang 0.5.23 serves every Qwen3-MoE layer as an MoE layer "
@@ -191,6 +196,12 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if transport == "tensor" and attached:
         raise ConfigError("rollout.sync_transport: tensor needs engines the trainer launches on its own devices; "
                           "attached engines (rollout.engine.addresses) take distributed or disk")
+    if _adapter_sync(recipe, model, attached):
+        if recipe.rollout.sync_transport != "auto":
+            raise ConfigError(f"rollout.sync_transport: {recipe.rollout.sync_transport} with actor.lora.sync="
+                              f"{recipe.actor.lora.sync}: the adapter goes by its own transport; leave it at auto or "
+                              "set actor.lora.sync=merged")
+        transport = "adapter"
     # Megatron's tensor-parallel groups are consecutive ranks and device slots fill nodes in order: a group lies on
     # one node when its size divides the devices per node. Engines likewise, wherever their slots start.
     per_node = res.devices_per_node
@@ -237,7 +248,37 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 old_logprobs_from_update=recipe.old_logprobs_from_update, max_sequence_tokens=longest,
                 context_length=context,
                 sync_transport=transport, colocated=colocated and not attached, tp_groups=tp_groups, engines=engines,
-                placement=placement)
+                placement=placement, lora=_lora_line(recipe, model, transport))
+
+
+def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool) -> bool:
+    """Whether the engines serve the actor's LoRA adapter (else: the adapted layers are synced merged). auto: where
+    the trainer launches the engines (it sets their LoRA serving flags), for dense models."""
+    lora = recipe.actor.lora
+    if not lora.enabled or lora.sync == "merged":
+        return False
+    if lora.sync == "adapter" and attached:
+        raise ConfigError("actor.lora.sync: adapter needs engines the trainer launches (with LoRA serving on); "
+                          "attached engines (rollout.engine.addresses) take sync=merged")
+    if lora.sync == "adapter" and model.num_experts:
+        raise ConfigError("actor.lora.sync: adapter with a mixture-of-experts model: SGLang's LoRA serving of MoE "
+                          "models is not tried here; use sync=merged")
+    return not attached and not model.num_experts
+
+
+def _lora_line(recipe: Recipe, model: ModelConfig, transport: str) -> str:
+    lora = recipe.actor.lora
+    if not lora.enabled:
+        return ""
+    from rlhf_mc.models.lora import adapter_numel
+
+    params = adapter_numel(model, lora)
+    start = f"from {lora.adapter_path}" if lora.adapter_path else "B = 0 (the base's outputs)"
+    sync = ("the engines serve the adapter (SGLang LoRA), each sync replaces it" if transport == "adapter" else
+            "each sync sends the adapted layers only, merged")
+    return (f"rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: {params:,} trained parameters "
+            f"({params / model.num_parameters:.2%} of {model.num_parameters:,}), {start}; the reference is the base "
+            f"(adapters off); {sync}")
 
 
 def check_launch(recipe: Recipe, model: ModelConfig) -> None:
@@ -259,6 +300,8 @@ def check_launch(recipe: Recipe, model: ModelConfig) -> None:
             raise ConfigError(f"{field}: {value} is not a {' or '.join(DATA_SUFFIXES)} file")
     if recipe.model.path:
         _checked_hf_dir("model.path", recipe.model.path, model if recipe.model.config else None)
+    if recipe.actor.lora.adapter_path:
+        read_peft_adapter(recipe.actor.lora.adapter_path, recipe.actor.lora, model)
     if recipe.reward.function:
         resolve(recipe.reward.function)
     _check_rollout_function(recipe)

@@ -14,8 +14,8 @@ from typing import Literal
 import yaml
 
 from rlhf_mc.algorithms.core import KLEstimator
-from rlhf_mc.config import (ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig, RolloutConfig,
-                            RouterConfig, ToolsConfig, check_at_least, from_dict, load_yaml)
+from rlhf_mc.config import (ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig, PolicyLossConfig,
+                            RolloutConfig, RouterConfig, ToolsConfig, check_at_least, from_dict, load_yaml)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +97,8 @@ class RolloutSection:
         if self.engine.return_routed_experts:
             raise ConfigError("engine.return_routed_experts: set by the trainer for mixture-of-experts models; "
                               "leave it out")
+        if self.engine.lora_adapter:
+            raise ConfigError("engine.lora_adapter: set by the trainer (actor.lora with sync=adapter); leave it out")
         if self.engine.random_weights:
             raise ConfigError("engine.random_weights: set by the trainer (engines start so when the run has no "
                               "checkpoint yet); leave it out")
@@ -126,6 +128,7 @@ class TrainSection:
     loss: PolicyLossConfig = dataclasses.field(default_factory=PolicyLossConfig)  # actor only
     value_clip: float = 0.2  # critic only
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)  # mixture-of-experts models only
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # actor only
 
     def __post_init__(self):
         check_at_least(self, 1, "ppo_epochs", "micro_batch_tokens")
@@ -310,6 +313,11 @@ class Recipe:
         if self.critic.loss != PolicyLossConfig():
             raise ConfigError("critic.loss: the critic's loss is the clipped value loss (critic.value_clip); the "
                               "policy loss is actor.loss")
+        if self.critic.lora != LoraConfig():
+            raise ConfigError("critic.lora: LoRA adapts the actor (actor.lora); the critic trains in full")
+        if self.actor.lora.enabled and self.ref.placement == "separate":
+            raise ConfigError("ref.placement: separate, with actor.lora on: the reference is the actor's base with "
+                              "the adapters off (no second model); leave ref.placement at host")
         if self.actor.value_clip != TrainSection.value_clip:
             raise ConfigError(f"actor.value_clip: {self.actor.value_clip} is the critic's (critic.value_clip)")
 
@@ -365,9 +373,12 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     recipe = from_dict(Recipe, apply_overrides(load_yaml(path), list(overrides)))
     changes = {section: {f: str(resolve_path(v)) for f in fields if (v := getattr(getattr(recipe, section), f))}
                for section, fields in PATHS.items()}
-    loss = recipe.actor.loss
+    loss, lora = recipe.actor.loss, recipe.actor.lora
+    changes["actor"] = {}
     if loss.aggregation == "seq-mean-token-sum-norm" and not loss.norm_length:
-        changes["actor"] = {"loss": dataclasses.replace(loss, norm_length=recipe.data.max_response_length)}
+        changes["actor"]["loss"] = dataclasses.replace(loss, norm_length=recipe.data.max_response_length)
+    if lora.adapter_path:
+        changes["actor"]["lora"] = dataclasses.replace(lora, adapter_path=str(resolve_path(lora.adapter_path)))
     return dataclasses.replace(recipe, **{s: dataclasses.replace(getattr(recipe, s), **c) for s, c in changes.items()})
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig, RouterConfig
+from rlhf_mc.config import LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig, RouterConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime import console, host
 
@@ -35,12 +35,13 @@ class ModelWorker:
 
     def __init__(self, rank: int, world: int, model: ModelConfig, parallel: ParallelConfig, dtype: str, seed: int,
                  recompute: str = "none", value_head: bool = False, router: RouterConfig = RouterConfig(),
-                 log_file: str | None = None):
-        """`log_file`: where this rank's output goes (else Ray's worker log)."""
+                 log_file: str | None = None, lora: LoraConfig = LoraConfig()):
+        """`log_file`: where this rank's output goes (else Ray's worker log). `lora`: adapters on the model
+        (models/lora.py): the base frozen, the reference is the base with the adapters off."""
         if log_file:
             console.output_to(log_file)
         console.quiet_framework_warnings()
-        self.rank, self.world, self.model = rank, world, model
+        self.rank, self.world, self.model, self.lora = rank, world, model, lora
         self._build = (parallel, dtype, seed, recompute, value_head, router)
         self.replay_routing = router.replay  # the policy's forward passes replay the engine's routing (MoE)
         self._store = None
@@ -78,6 +79,12 @@ class ModelWorker:
         init_parallel(parallel, seed=seed)
         self.chunks = build_model(self.model, parallel, dtype=dtype, recompute=recompute, value_head=value_head,
                                   router=router)
+        if self.lora.enabled:
+            from rlhf_mc.models import lora
+            from rlhf_mc.models.gpt import te_available
+
+            lora.check_lora(self.lora, self.model, te_available())
+            lora.attach(self.chunks, self.model, self.lora, seed)
         return {"dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
                 "reports": self._reports()}
 
@@ -87,6 +94,13 @@ class ModelWorker:
         from rlhf_mc.bridge.weights import load_hf_weights
 
         load_hf_weights(self.chunks, path, self.model, value_head_from=value_head_from)
+
+    def load_adapter(self, path: str) -> None:
+        """A PEFT adapter directory into the adapters (checked against the model: bridge/adapters.py)."""
+        from rlhf_mc.bridge.adapters import read_peft_adapter
+        from rlhf_mc.models.lora import load_full
+
+        load_full(self.chunks, read_peft_adapter(path, self.lora, self.model))
 
     def setup_optimizer(self, optim: OptimizerConfig) -> None:
         from rlhf_mc.optim import setup_training
@@ -136,6 +150,15 @@ class ModelWorker:
 
         write_hf_export(self.chunks, self.model, path, config, Path(tokenizer_dir) if tokenizer_dir else None)
 
+    def export_adapter(self, path: str, base_model: str) -> None:
+        """The adapters as a PEFT directory (rank 0 writes it; collective)."""
+        from rlhf_mc.bridge.adapters import write_peft_adapter
+        from rlhf_mc.models.lora import full_tensors
+
+        tensors = full_tensors(self.chunks)
+        if torch.distributed.get_rank() == 0:
+            write_peft_adapter(path, tensors, self.lora, base_model)
+
     def offload(self, part: str = "all") -> None:
         """Moves `part` of the training state to host memory (runtime.offload.offload_training_state): "all",
         "optimizer" (gradients and optimizer state) or "weights"."""
@@ -157,14 +180,15 @@ class ModelWorker:
 
     def forward(self, share: Trajectories, kind: str, temperature: float = 1.0, with_entropy: bool = False,
                 micro_batch_tokens: int = 8192) -> dict[str, torch.Tensor] | None:
-        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in) or "values", per token of
-        this rank's share."""
+        """kind: "logprobs" (the model's), "ref_logprobs" (the host reference swapped in; with LoRA, the
+        adapters off) or "values", per token of this rank's share."""
+        from rlhf_mc.models.lora import adapters_off
         from rlhf_mc.workers.policy import compute_log_prob, compute_values
 
         if kind == "values":
             out = compute_values(self.chunks, share, micro_batch_tokens)
         elif kind == "ref_logprobs":
-            with self.reference.swapped_in(self.chunks):
+            with adapters_off(self.chunks) if self.lora.enabled else self.reference.swapped_in(self.chunks):
                 out = compute_log_prob(self.chunks, share, temperature, with_entropy, micro_batch_tokens,
                                        self.replay_routing)
         else:
@@ -209,8 +233,11 @@ class ModelWorker:
         from rlhf_mc.sync.weights import WeightSync
 
         master = node_ip() if transport == "distributed" else "127.0.0.1"
+        # LoRA: the adapter ("adapter"), or the adapted layers alone, merged (the rest is the frozen base the
+        # engines hold)
         self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
-                                                                       config_from), bucket_bytes)
+                                                                       config_from, self.lora), bucket_bytes,
+                                      adapted_only=self.lora.enabled)
 
     def exit(self) -> None:
         """Ends this worker: removes the shared-memory files it made (the weight sync's CPU staging), which a kill

@@ -26,6 +26,10 @@ With the CUDA build of torch and no GPU:
   child cannot initialize), so each imports SGLang and torch again. In a TP=1 server (RLHF_MC_FORK_SCHEDULER, set by
   rlhf_mc/rollout/cpu.py) they are forked instead and start with the server's modules (and the patches above)
   imported: a start took 23-39 s against 44-46 s. The server process has run no torch kernel before it starts them.
+- LoRA serving (--lora-backend torch_native, plain torch) pins its host-side index tensors, with Tensor.pin_memory()
+  (sglang/srt/lora/layers.py, lora/backend/torch_backend.py) and pin_memory=True in tensor factories, which raises
+  the same error: pinning is a no-op, and those two modules get tensor factories that ignore pin_memory. (The
+  default backend, csgmv, is triton kernels: GPU only.)
 """
 
 import importlib.abc
@@ -56,6 +60,34 @@ class _NoCudaRuntime:
 if not torch.cuda.is_available():
     torch.cuda.synchronize = lambda device=None: None
     torch.cuda.cudart = lambda: _NoCudaRuntime
+    # LoRA serving (sglang/srt/lora/...) pins its host-side index tensors; pinning needs the CUDA driver and
+    # raises "Found no NVIDIA driver". On CPU there is nothing to pin: a no-op (the tensor itself).
+    torch.Tensor.pin_memory = lambda self, device=None: self
+
+
+class _UnpinnedTorch:
+    """`torch` as a module's global, whose tensor factories ignore pin_memory=True (which raises without CUDA)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _unpinned(factory):
+        def call(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+
+        call.__name__ = factory.__name__
+        return call
+
+    def __init__(self):
+        for name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+            setattr(self, name, self._unpinned(getattr(torch, name)))
+
+
+def _unpinned_lora(module) -> None:
+    if module.torch is not torch:
+        raise AttributeError(name="torch")
+    module.torch = _UnpinnedTorch()
 
 
 def _absorbed_mla_on_torch_native(handlers) -> None:
@@ -95,7 +127,10 @@ SGLANG_VERSION = "0.5.23"
 _PATCHES = {"sglang.srt.managers.tp_worker": _staging_stays_mapped,
             "sglang.srt.models.deepseek_common.attention_backend_handler": _absorbed_mla_on_torch_native,
             "sglang.srt.layers.attention.torch_native_backend": _batched_torch_native_attention,
-            "sglang.srt.layers.sampler": _inverse_cdf_sampling}
+            "sglang.srt.layers.sampler": _inverse_cdf_sampling,
+            # LoRA serving with --lora-backend torch_native
+            "sglang.srt.lora.layers": _unpinned_lora,
+            "sglang.srt.lora.backend.torch_backend": _unpinned_lora}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
