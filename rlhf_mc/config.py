@@ -454,8 +454,8 @@ class LoraConfig:
     target_modules: PEFT's module names (LORA_TARGETS) or ["all-linear"]. adapter_path: a PEFT adapter directory
     to start from (its r, lora_alpha and target_modules must equal the fields here). The reference is the base with
     the adapters off. sync: "adapter" loads the adapter into SGLang's LoRA serving at every sync (the base stays);
-    "merged" sends W + (alpha / rank) B A of the adapted layers only; auto: adapter where the engines serve LoRA
-    (GPU), merged on CPU. The engines' adapter endpoints accept code-bearing payloads: with sync=adapter they
+    "merged" sends W + (alpha / rank) B A of the adapted layers only; auto: adapter on GPU where the trainer launches
+    the engines (dense models), merged on CPU and otherwise. The engines' adapter endpoints accept code-bearing payloads: with sync=adapter they
     listen on loopback or the cluster's private network only, unless allow_remote_engines."""
 
     enabled: bool = False

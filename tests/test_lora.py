@@ -14,6 +14,7 @@ from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime.spawn import spawn
 from tests.conftest import write_tiny_qwen2
+from tests.test_sync import PROMPTS, _actor_logprobs, training_batch
 from tests.test_train_step import LOSS, MODEL, OPTIM, STARTS, TOL, _data
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -201,9 +202,6 @@ def test_adapter_of_another_base_is_refused(tmp_path):
 
 # ------------------------------------------------------------ sync into SGLang: the adapter, or the adapted layers
 
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200, 3]]
-
-
 def _synced_actor(model_dir: str, address: str, transport: str, parallel: ParallelConfig) -> dict:
     """A LoRA actor (adapter from _random_adapter) trains two steps; after each, a sync to the engine at
     `address`, then the engine's greedy samples and their log-probs against the actor's."""
@@ -218,7 +216,6 @@ def _synced_actor(model_dir: str, address: str, transport: str, parallel: Parall
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.sync.transports import connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
-    from rlhf_mc.workers.policy import compute_log_prob
     from rlhf_mc.workers.train import train_step
 
     init_parallel(parallel, seed=3)
@@ -231,11 +228,6 @@ def _synced_actor(model_dir: str, address: str, transport: str, parallel: Parall
     sync = WeightSync(chunks, model, connect(transport, [address], [list(range(parallel.tp))], config_from=model_dir,
                                              adapter=LORA), bucket_bytes=20_000, adapted_only=transport != "adapter")
     client = SGLangEngine(RolloutConfig(addresses=(address,), lora_adapter="" if transport != "adapter" else "served"))
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (14, 9, 20)]
-    starts = [4, 3, 6]
-    per_token = {"advantages": [torch.randn(len(s) - st, generator=g) for s, st in zip(seqs, starts)],
-                 "old_logprobs": [torch.full((len(s) - st,), -5.5) for s, st in zip(seqs, starts)]}
     steps = []
     for version in (1, 2):
         stats = sync.sync(chunks, version)
@@ -245,11 +237,10 @@ def _synced_actor(model_dir: str, address: str, transport: str, parallel: Parall
             check_versions([v for s in samples for v in s.versions], version)
             box = [[(s.response_ids, s.logprobs) for s in samples]]
         torch.distributed.broadcast_object_list(box, src=0)
-        batch = Trajectories.single_turn([p + r for p, (r, _) in zip(PROMPTS, box[0])], [len(p) for p in PROMPTS])
-        actor = batch.masked(compute_log_prob(chunks, batch)["logprobs"])
+        actor = _actor_logprobs(chunks, [r for r, _ in box[0]])
         steps.append({"diff": max((torch.tensor(lp) - a).abs().max().item() for (_, lp), a in zip(box[0], actor)),
                       "greedy": [r for r, _ in box[0]], "stats": stats})
-        train_step(state, Trajectories.single_turn(seqs, starts, per_token), PolicyLossConfig(), micro_batch_tokens=64)
+        train_step(state, training_batch(model.vocab_size), PolicyLossConfig(), micro_batch_tokens=64)
     return {"steps": steps, "transport": type(sync.transport).__name__,
             "plan_bytes": None if sync.plan is None else sync.plan.total_bytes}
 
@@ -297,3 +288,83 @@ def test_engine_follows_the_lora_actor(transport, request, tiny_hf_model):
     else:  # the adapted base weights only (not the embeddings, the head, the norms or the qkv bias)
         assert first["transport"] == "SharedStaging"
         assert stats.bytes == first["plan_bytes"] == 2 * (3 * 64 * 64 + 3 * 128 * 64) * 4
+
+
+def test_recipe_refuses_what_lora_does_not_do():
+    from rlhf_mc.trainer.placement import check_private
+    from rlhf_mc.trainer.plan import make_plan
+    from rlhf_mc.trainer.recipe import REPO, load_recipe, model_config
+
+    quickstart = REPO / "recipes/quickstart.yaml"
+
+    def plan(*overrides: str):
+        recipe = load_recipe(quickstart, ["actor.lora.enabled=true", *overrides])
+        return make_plan(recipe, model_config(recipe), cuda=False)
+
+    assert plan().sync_transport == "tensor"  # on CPU auto is merged: the adapted layers through the tensor transport
+    assert plan("actor.lora.sync=adapter").sync_transport == "adapter"
+    recipe = load_recipe(quickstart, ["actor.lora.enabled=true"])
+    assert make_plan(recipe, model_config(recipe), cuda=True).sync_transport == "adapter"
+    cases = {
+        ("actor.lora.rank=0",): r"^actor\.lora\.rank: must be >= 1, got 0$",
+        ("critic.lora.enabled=true",): r"^critic\.lora: LoRA adapts the actor",
+        ("ref.placement=separate", "actor.loss.kl_loss_coef=0.1"): r"^ref\.placement: separate, with actor\.lora on",
+        ("rollout.engine.lora_adapter=/tmp/x",): r"^rollout\.engine\.lora_adapter: set by the trainer",
+        ("rollout.sync_transport=disk", "actor.lora.sync=adapter"):
+            r"^rollout\.sync_transport: disk with actor\.lora\.sync=adapter: the adapter goes by its own transport",
+        ("actor.lora.sync=adapter", "rollout.engine.addresses=[127.0.0.1:30000]", "rollout.placement=disaggregated"):
+            r"^actor\.lora\.sync: adapter needs engines the trainer launches",
+    }
+    for overrides, error in cases.items():
+        with pytest.raises(ConfigError, match=error):
+            plan(*overrides)
+    for host in ("127.0.0.1", "10.1.2.3", "192.168.0.7"):
+        check_private(host)
+    with pytest.raises(ConfigError, match=r"^actor\.lora\.allow_remote_engines: the engines would serve LoRA "
+                                          r"adapters on 8\.8\.8\.8, a public address"):
+        check_private("8.8.8.8")
+
+
+@pytest.mark.slow
+def test_lora_run_end_to_end(tmp_path):
+    """tools/launch.py with actor.lora: the engine serves the adapter and follows the actor at every sync (the
+    adapter's bytes alone), the reference is the base (KL 0 while B = 0, then not), and the run's PEFT adapter on
+    the HF base gives the logits of its merged export in plain transformers and peft."""
+    import json
+    import subprocess
+    import sys
+
+    import peft
+    import transformers as T
+
+    from tests.test_trainer import ONE_SLOT, REPO
+
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
+         "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "rollout.n=2", "data.val_path=",
+         "actor.ppo_mini_batch_size=8", "actor.optim.lr=1e-2", "actor.optim.lr_warmup_steps=0",
+         "actor.loss.kl_loss_coef=0.01", "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes",
+         "actor.lora.enabled=true", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapter",
+         "actor.lora.export_merged=true"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["rollout/logprob_diff"] < 1e-4 and s["sync/failed_engines"] == 0
+    assert steps[0]["actor/kl_ref"] == 0 and abs(steps[1]["actor/kl_ref"]) > 0
+    config = json.loads((out / "init_hf" / "config.json").read_text())
+    # tiny-arith: rank 4 on 7 modules of each layer, fp32
+    h, layers, ffn = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    assert steps[0]["sync/bytes"] == 4 * layers * 4 * (2 * (q + h) + 2 * (kv + h) + 3 * (ffn + h))
+    tokens = torch.randint(3, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    base = T.AutoModelForCausalLM.from_pretrained(out / "init_hf", dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, out / "final_adapter")
+    merged = T.AutoModelForCausalLM.from_pretrained(out / "final_hf", dtype=torch.float32)
+    with torch.no_grad():
+        expected, got = merged(tokens).logits, adapted(tokens).logits
+        assert (got - expected).abs().max().item() < 1e-5
+        with adapted.disable_adapter():
+            assert (adapted(tokens).logits - expected).abs().max().item() > 1e-3  # the adapter moved

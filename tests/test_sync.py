@@ -39,6 +39,18 @@ def _actor_logprobs(chunks, responses: list[list[int]]) -> list[torch.Tensor]:
     return batch.masked(compute_log_prob(chunks, batch)["logprobs"])
 
 
+def training_batch(vocab_size: int):
+    """What the actor trains on between syncs: three random sequences with advantages (and old log-probs)."""
+    from rlhf_mc.data.trajectory import Trajectories
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, vocab_size, (n,), generator=g) for n in (14, 9, 20)]
+    starts = [4, 3, 6]
+    per_token = {"advantages": [torch.randn(len(s) - st, generator=g) for s, st in zip(seqs, starts)],
+                 "old_logprobs": [torch.full((len(s) - st,), -5.5) for s, st in zip(seqs, starts)]}
+    return Trajectories.single_turn(seqs, starts, per_token)
+
+
 def shared_files(serialized: str) -> set[bytes]:
     """The shared-memory files a CPU payload refers to."""
     strings = [arg for _, arg, _ in pickletools.genops(base64.b64decode(serialized)) if isinstance(arg, bytes)]
@@ -79,7 +91,6 @@ def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], 
     from rlhf_mc.runtime import init_parallel
     from rlhf_mc.sync.transports import ColocatedTensors, connect
     from rlhf_mc.sync.weights import WeightSync, check_versions
-    from rlhf_mc.data.trajectory import Trajectories
     from rlhf_mc.config import PolicyLossConfig
     from rlhf_mc.workers.train import train_step
 
@@ -106,14 +117,9 @@ def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], 
     sink = ColocatedTensors(addresses, engine_ranks) if transport == "per device" else \
         connect(transport, addresses, engine_ranks, config_from=model_dir)
     sync = WeightSync(chunks, model, sink, bucket_bytes=20_000)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (14, 9, 20)]
-    starts = [4, 3, 6]
-    per_token = {"advantages": [torch.randn(len(s) - st, generator=g) for s, st in zip(seqs, starts)],
-                 "old_logprobs": [torch.full((len(s) - st,), -5.5) for s, st in zip(seqs, starts)]}
     steps = []
     for version in range(1, STEPS + 1):
-        train_step(state, Trajectories.single_turn(seqs, starts, per_token), PolicyLossConfig(), micro_batch_tokens=64)
+        train_step(state, training_batch(model.vocab_size), PolicyLossConfig(), micro_batch_tokens=64)
         stats = sync.sync(chunks, version)
         box = [None]
         if rank == 0:

@@ -313,7 +313,9 @@ def full_tensors(chunks, of=lambda param: param.detach()) -> dict[str, torch.Ten
                 for matrix, dim in (("A", None if adapter.linear.column else 1), ("B", 0 if adapter.linear.column
                                                                                   else None)):
                     if dim is not None or tp_rank == 0:
-                        shard = of(getattr(adapter, matrix)[p]).cpu()
+                        # a copy: the parameter is a view of DDP's buffer of every adapter, which pickling
+                        # would send whole
+                        shard = of(getattr(adapter, matrix)[p]).to("cpu", copy=True)
                         local.append((peft_name(layer, p, matrix), tp_rank, dim, shard))
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)

@@ -317,13 +317,12 @@ class AdapterTensors:
         """Rank 0 drives `engines` (default: all); an engine that fails is reported, the others are updated."""
         from sglang.srt.utils import MultiprocessingSerializer
 
-        tensors = lora.full_tensors(chunks)  # collective
+        tensors = lora.full_tensors(chunks)  # collective; copies, never a parameter's memory
         if self.client is None:
             return None
-        fresh = {name: t.clone() for name, t in tensors.items()}  # never a parameter's own memory
         if cpu.on_cpu():
             cpu.prepare_tensor_sender()
-        serialized = MultiprocessingSerializer.serialize(fresh, output_str=True)
+        serialized = MultiprocessingSerializer.serialize(tensors, output_str=True)
         updated, failed = [], {}
         for e in sorted(range(len(self.client.urls)) if engines is None else engines):
             try:
@@ -333,7 +332,7 @@ class AdapterTensors:
                 updated.append(e)
             except Exception as error:  # noqa: BLE001 - reported to the driver, which restarts the engine
                 failed[e] = f"engine {e} at {self.client.urls[e]}: {type(error).__name__}: {error}"
-        self.sent = fresh
+        self.sent = tensors
         return SendResult(updated, failed)
 
     def unlink_staging(self) -> None:

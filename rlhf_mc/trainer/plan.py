@@ -196,7 +196,7 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     if transport == "tensor" and attached:
         raise ConfigError("rollout.sync_transport: tensor needs engines the trainer launches on its own devices; "
                           "attached engines (rollout.engine.addresses) take distributed or disk")
-    if _adapter_sync(recipe, model, attached):
+    if _adapter_sync(recipe, model, attached, device):
         if recipe.rollout.sync_transport != "auto":
             raise ConfigError(f"rollout.sync_transport: {recipe.rollout.sync_transport} with actor.lora.sync="
                               f"{recipe.actor.lora.sync}: the adapter goes by its own transport; leave it at auto or "
@@ -251,9 +251,11 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 placement=placement, lora=_lora_line(recipe, model, transport))
 
 
-def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool) -> bool:
-    """Whether the engines serve the actor's LoRA adapter (else: the adapted layers are synced merged). auto: where
-    the trainer launches the engines (it sets their LoRA serving flags), for dense models."""
+def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool, device: str) -> bool:
+    """Whether the engines serve the actor's LoRA adapter (else: the adapted layers are synced merged). auto: on GPU,
+    where the trainer launches the engines (it sets their LoRA serving flags), for dense models; on CPU merged:
+    SGLang's plain-torch LoRA serving made the real model's rollouts ~1.7x slower than merged weights (bench/lora.py),
+    and the merged layers' copy costs a fraction of a second there."""
     lora = recipe.actor.lora
     if not lora.enabled or lora.sync == "merged":
         return False
@@ -263,7 +265,7 @@ def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool) -> bool:
     if lora.sync == "adapter" and model.num_experts:
         raise ConfigError("actor.lora.sync: adapter with a mixture-of-experts model: SGLang's LoRA serving of MoE "
                           "models is not tried here; use sync=merged")
-    return not attached and not model.num_experts
+    return lora.sync == "adapter" or (not attached and not model.num_experts and device == "cuda")
 
 
 def _lora_line(recipe: Recipe, model: ModelConfig, transport: str) -> str:
