@@ -290,21 +290,22 @@ def test_engine_follows_the_lora_actor(transport, request, tiny_hf_model):
         assert stats.bytes == first["plan_bytes"] == 2 * (3 * 64 * 64 + 3 * 128 * 64) * 4
 
 
-def test_recipe_refuses_what_lora_does_not_do():
+def test_recipe_refuses_what_lora_does_not_do(tiny_hf_model):
     from rlhf_mc.trainer.placement import check_private
     from rlhf_mc.trainer.plan import make_plan
     from rlhf_mc.trainer.recipe import REPO, load_recipe, model_config
 
     quickstart = REPO / "recipes/quickstart.yaml"
+    lora_on = ["actor.lora.enabled=true", "sft.data_path=", f"model.path={tiny_hf_model}"]  # from HF weights
 
-    def plan(*overrides: str):
-        recipe = load_recipe(quickstart, ["actor.lora.enabled=true", *overrides])
-        return make_plan(recipe, model_config(recipe), cuda=False)
+    def plan(*overrides: str, cuda: bool = False):
+        recipe = load_recipe(quickstart, [*lora_on, *overrides])
+        return make_plan(recipe, model_config(recipe), cuda=cuda)
 
     assert plan().sync_transport == "tensor"  # on CPU auto is merged: the adapted layers through the tensor transport
     assert plan("actor.lora.sync=adapter").sync_transport == "adapter"
-    recipe = load_recipe(quickstart, ["actor.lora.enabled=true"])
-    assert make_plan(recipe, model_config(recipe), cuda=True).sync_transport == "adapter"
+    assert plan(cuda=True).sync_transport == "adapter"
+    assert plan("model.path=", cuda=True).sync_transport == "tensor"  # random init: the engines start on placeholders
     cases = {
         ("actor.lora.rank=0",): r"^actor\.lora\.rank: must be >= 1, got 0$",
         ("critic.lora.enabled=true",): r"^critic\.lora: LoRA adapts the actor",
@@ -312,8 +313,9 @@ def test_recipe_refuses_what_lora_does_not_do():
         ("rollout.engine.lora_adapter=/tmp/x",): r"^rollout\.engine\.lora_adapter: set by the trainer",
         ("rollout.sync_transport=disk", "actor.lora.sync=adapter"):
             r"^rollout\.sync_transport: disk with actor\.lora\.sync=adapter: the adapter goes by its own transport",
-        ("actor.lora.sync=adapter", "rollout.engine.addresses=[127.0.0.1:30000]", "rollout.placement=disaggregated"):
-            r"^actor\.lora\.sync: adapter needs engines the trainer launches",
+        ("actor.lora.sync=adapter", "rollout.engine={addresses: ['127.0.0.1:30000'], num_engines: 1}",
+         "rollout.placement=disaggregated"): r"^actor\.lora\.sync: adapter needs engines the trainer launches",
+        ("actor.lora.sync=adapter", "model.path="): r"^actor\.lora\.sync: adapter needs model\.path and no SFT stage",
     }
     for overrides, error in cases.items():
         with pytest.raises(ConfigError, match=error):
@@ -337,11 +339,18 @@ def test_lora_run_end_to_end(tmp_path):
     import peft
     import transformers as T
 
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
     from tests.test_trainer import ONE_SLOT, REPO
 
+    # the quickstart's model as an HF base (LoRA with the adapter served starts from HF weights)
+    base_dir = tmp_path / "base"
+    config = hf_config_from_model(ModelConfig.from_yaml(REPO / "model_configs/tiny-arith.yaml"))
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**config)).save_pretrained(base_dir)
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
+         "model.config=", f"model.path={base_dir}", "model.tokenizer=recipes/data/arith",
          "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "rollout.n=2", "data.val_path=",
          "actor.ppo_mini_batch_size=8", "actor.optim.lr=1e-2", "actor.optim.lr_warmup_steps=0",
          "actor.loss.kl_loss_coef=0.01", "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes",
@@ -353,14 +362,13 @@ def test_lora_run_end_to_end(tmp_path):
     for s in steps:
         assert s["rollout/logprob_diff"] < 1e-4 and s["sync/failed_engines"] == 0
     assert steps[0]["actor/kl_ref"] == 0 and abs(steps[1]["actor/kl_ref"]) > 0
-    config = json.loads((out / "init_hf" / "config.json").read_text())
     # tiny-arith: rank 4 on 7 modules of each layer, fp32
     h, layers, ffn = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
     head_dim = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     assert steps[0]["sync/bytes"] == 4 * layers * 4 * (2 * (q + h) + 2 * (kv + h) + 3 * (ffn + h))
     tokens = torch.randint(3, config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
-    base = T.AutoModelForCausalLM.from_pretrained(out / "init_hf", dtype=torch.float32)
+    base = T.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base, out / "final_adapter")
     merged = T.AutoModelForCausalLM.from_pretrained(out / "final_hf", dtype=torch.float32)
     with torch.no_grad():

@@ -254,18 +254,24 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
 def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool, device: str) -> bool:
     """Whether the engines serve the actor's LoRA adapter (else: the adapted layers are synced merged). auto: on GPU,
     where the trainer launches the engines (it sets their LoRA serving flags), for dense models; on CPU merged:
-    SGLang's plain-torch LoRA serving made the real model's rollouts ~1.7x slower than merged weights (bench/lora.py),
-    and the merged layers' copy costs a fraction of a second there."""
+    SGLang's plain-torch LoRA serving made the real model's rollout 19% slower than merged weights (19.0 s against
+    16.0 s a step, bench/lora.py), more than the merged layers' sync costs over the adapter's (1.0 s against 0.8)."""
     lora = recipe.actor.lora
     if not lora.enabled or lora.sync == "merged":
         return False
     if lora.sync == "adapter" and attached:
         raise ConfigError("actor.lora.sync: adapter needs engines the trainer launches (with LoRA serving on); "
                           "attached engines (rollout.engine.addresses) take sync=merged")
+    # without model.path or with an SFT stage the engines start on placeholder weights (--load-format dummy), onto
+    # which SGLang loads no adapter
+    placeholder = not recipe.model.path or bool(recipe.sft.data_path)
+    if lora.sync == "adapter" and placeholder:
+        raise ConfigError("actor.lora.sync: adapter needs model.path and no SFT stage (the engines start before the "
+                          "base weights exist, and SGLang loads no adapter onto placeholder weights); use merged")
     if lora.sync == "adapter" and model.num_experts:
         raise ConfigError("actor.lora.sync: adapter with a mixture-of-experts model: SGLang's LoRA serving of MoE "
                           "models is not tried here; use sync=merged")
-    return lora.sync == "adapter" or (not attached and not model.num_experts and device == "cuda")
+    return lora.sync == "adapter" or (not attached and not model.num_experts and device == "cuda" and not placeholder)
 
 
 def _lora_line(recipe: Recipe, model: ModelConfig, transport: str) -> str:
