@@ -23,13 +23,10 @@ TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(
 
 def _random_adapter(model: ModelConfig, lora: LoraConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Full PEFT tensors with B != 0 (PEFT starts B at zero, where A has no gradient)."""
-    from rlhf_mc.models.lora import part_shapes, peft_name
+    from rlhf_mc.models.lora import adapter_shapes
 
     g = torch.Generator().manual_seed(seed)
-    shapes = part_shapes(model)
-    return {peft_name(layer, part, m): 0.3 * torch.randn(*([lora.rank, shapes[part][1]] if m == "A" else
-                                                           [shapes[part][0], lora.rank]), generator=g)
-            for layer in range(model.num_layers) for part in lora.targets for m in "AB"}
+    return {name: 0.3 * torch.randn(shape, generator=g) for name, shape in adapter_shapes(model, lora).items()}
 
 
 def _logits(chunks) -> torch.Tensor:

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig
-from rlhf_mc.models.lora import part_shapes, peft_name
+from rlhf_mc.models.lora import adapter_shapes
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_PART = re.compile(r"\.(\w+)\.lora_[AB]\.weight$")  # the HF module of a PEFT tensor name
 
 
 def peft_config(lora: LoraConfig, base_model: str) -> dict:
@@ -65,25 +65,20 @@ def read_peft_adapter(path: str | Path, lora: LoraConfig, model: ModelConfig,
                                ("target_modules", sorted(lora.targets), targets)):
         if ours != theirs:
             raise ConfigError(f"actor.lora.{name}: {ours}, but the adapter at {path} has {theirs}: set it to match")
-    shapes = part_shapes(model)
-    expected = {peft_name(layer, part, m) for layer in range(model.num_layers) for part in lora.targets
-                for m in "AB"}
+    expected = adapter_shapes(model, lora)
     tensors = {}
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         for name in f.keys():
-            match = _NAME.match(name)
-            if not match or name not in expected:
+            if name not in expected:
                 raise ConfigError(f"{field}: {path}: tensor {name} is not one of this model's adapters (layers "
                                   f"0-{model.num_layers - 1}, {', '.join(lora.targets)}): another base model?")
-            part, matrix = match.group(2), match.group(3)
-            out_dim, in_dim = shapes[part]
-            want = [lora.rank, in_dim] if matrix == "A" else [out_dim, lora.rank]
+            part, want = _PART.search(name).group(1), list(expected[name])
             got = list(f.get_slice(name).get_shape())
             if got != want:
                 raise ConfigError(f"{field}: {path}: {name} has shape {got}, this model's {part} needs {want}: "
                                   "another base model?")
             tensors[name] = f.get_tensor(name)
-    missing = sorted(expected - set(tensors))
+    missing = sorted(expected.keys() - tensors.keys())
     if missing:
         raise ConfigError(f"{field}: {path}: {len(missing)} adapter tensors missing, e.g. {missing[0]}")
     return tensors

@@ -59,18 +59,22 @@ def part_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (ffn, h), "down_proj": (h, ffn)}
 
 
+def adapter_shapes(model: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """PEFT name -> shape of every full adapter tensor of the model: A [r, in] and B [out, r] of each target in each
+    layer."""
+    shapes = part_shapes(model)
+    return {peft_name(layer, part, m): (lora.rank, shapes[part][1]) if m == "A" else (shapes[part][0], lora.rank)
+            for layer in range(model.num_layers) for part in lora.targets for m in "AB"}
+
+
 def adapter_numel(model: ModelConfig, lora: LoraConfig) -> int:
     """The adapters' parameters over the whole model."""
-    shapes = part_shapes(model)
-    return model.num_layers * sum(lora.rank * sum(shapes[t]) for t in lora.targets)
+    return sum(math.prod(shape) for shape in adapter_shapes(model, lora).values())
 
 
 def zero_adapter(model: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
     """PEFT tensors of an adapter that changes nothing (A = B = 0): what LoRA-serving engines start with."""
-    shapes = part_shapes(model)
-    return {peft_name(layer, part, m): torch.zeros([lora.rank, shapes[part][1]] if m == "A" else
-                                                   [shapes[part][0], lora.rank])
-            for layer in range(model.num_layers) for part in lora.targets for m in "AB"}
+    return {name: torch.zeros(shape) for name, shape in adapter_shapes(model, lora).items()}
 
 
 def check_lora(lora: LoraConfig, model: ModelConfig, use_te: bool, field: str = "actor.lora") -> None:
@@ -231,17 +235,12 @@ def attach(chunks: list[torch.nn.Module], model: ModelConfig, lora: LoraConfig, 
             layer.lora = LayerAdapters(adapters)
 
 
-
 def adapters(chunks) -> Iterator[tuple[int, int, str, LinearAdapter]]:
     """(chunk index, global layer index, Megatron linear name, adapter) of this rank."""
     for index, chunk in enumerate(chunks):
         for layer in _unwrap(chunk).decoder.layers:
             for name, adapter in getattr(layer, "lora", {}).items():
                 yield index, layer.layer_number - 1, name, adapter
-
-
-def has_adapters(chunks) -> bool:
-    return next(adapters(chunks), None) is not None
 
 
 @contextlib.contextmanager

@@ -81,7 +81,7 @@ class WeightSync:
         if isinstance(transport, AdapterTensors):
             self.plan = None
             element = next(p for c in chunks for p in c.parameters()).element_size()
-            self.buckets, self.tensors = 1, 2 * model.num_layers * len(transport.adapter.targets)  # A and B each
+            self.buckets, self.tensors = 1, len(lora.adapter_shapes(model, transport.adapter))
             self.bytes = lora.adapter_numel(model, transport.adapter) * element
             return
         self.plan = build_export_plan(chunks, model, bucket_bytes, adapted_only)

@@ -11,7 +11,7 @@ from pathlib import Path
 from rlhf_mc.bridge.adapters import read_peft_adapter
 from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
 from rlhf_mc.data.dataset import DATA_SUFFIXES
-from rlhf_mc.models.lora import check_lora
+from rlhf_mc.models.lora import adapter_numel, check_lora
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -278,8 +278,6 @@ def _lora_line(recipe: Recipe, model: ModelConfig, transport: str) -> str:
     lora = recipe.actor.lora
     if not lora.enabled:
         return ""
-    from rlhf_mc.models.lora import adapter_numel
-
     params = adapter_numel(model, lora)
     start = f"from {lora.adapter_path}" if lora.adapter_path else "B = 0 (the base's outputs)"
     sync = ("the engines serve the adapter (SGLang LoRA), each sync replaces it" if transport == "adapter" else
