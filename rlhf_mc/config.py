@@ -93,7 +93,11 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        _, val_tp = typing.get_args(tp) or (Any, Any)
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        for k in value:
+            if key_tp is str and not isinstance(k, str):
+                raise ConfigError(f"{path}: key {k!r} is not a string (YAML reads yes, no, on, off as booleans and "
+                                  "digits as numbers: quote it)")
         return {k: _check_type(v, val_tp, f"{path}.{k}") for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

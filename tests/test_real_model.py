@@ -111,7 +111,9 @@ def test_recipe_runs_the_real_model_end_to_end(smollm2, tmp_path):
     for step in steps.values():
         assert step["rollout/logprob_diff"] < 1e-4, step["rollout/logprob_diff"]
         assert step["actor/grad_norm"] > 0
-    assert steps[1]["actor/kl_ref"] == pytest.approx(0, abs=1e-6) and steps[2]["actor/kl_ref"] != 0
+    # step 1 trains the reference's weights: its KL is fp32 noise of the update's forward against the reference's,
+    # packed differently (2.6e-6 on CI's machine, under 1e-6 here)
+    assert steps[1]["actor/kl_ref"] == pytest.approx(0, abs=2e-5) and steps[2]["actor/kl_ref"] != 0
     # the export, in plain transformers, against the actor's own last checkpoint scored by Megatron (tools/score.py)
     sequences, scores = tmp_path / "seqs.jsonl", tmp_path / "scores.jsonl"
     sequences.write_text(json.dumps(TOKENS) + "\n")

@@ -164,6 +164,15 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     return advantages, returns
 
 
+def distillation_advantages(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                            coef: float = 1.0) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: coef * (log p_teacher - log p_student) of each sampled token,
+    the negative of the reverse KL's per-token estimate (k1 of KL(student || teacher)); no baseline, no
+    normalization (Thinking Machines' on-policy distillation, Tinker; slime's --opd-kl-coef adds it to any
+    estimator's advantage the same way). 0 on masked-out tokens (prompt, tool results)."""
+    return torch.where(mask.bool(), coef * (teacher_logprobs - logprobs), torch.zeros_like(logprobs))
+
+
 # ----------------------------------------------------------------------------- KL
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3") -> torch.Tensor:

@@ -395,6 +395,37 @@ class SGLangEngine:
         samples.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return samples
 
+    def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """Prefill only: each sequence's log-probs of its tokens from `starts[i]` on (token t given the tokens before
+        it), under the served model's softmax of its raw logits (SGLang's input log-probs are never
+        temperature-scaled). Nothing is generated (max_new_tokens 0); requests of at most max_concurrency
+        sequences go to the engines in turn, a dead server's restarted and retried as generate's are."""
+        for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+            if not 1 <= start < len(seq):
+                raise ValueError(f"starts[{i}]: {start} must lie in [1, {len(seq)}) (a token's log-prob needs the "
+                                 "tokens before it)")
+            if len(seq) > self.max_sequence_length:
+                raise ValueError(f"sequences[{i}]: {len(seq)} tokens, more than the engine holds "
+                                 f"({self.max_sequence_length})")
+        chunks = [range(first, min(first + self.cfg.max_concurrency, len(sequences)))
+                  for first in range(0, len(sequences), self.cfg.max_concurrency)]
+
+        def serve(k: int) -> list[list[float]]:
+            rows = chunks[k]
+            request = {"input_ids": [sequences[i] for i in rows],
+                       "sampling_params": [{"max_new_tokens": 0, "temperature": 0.0}] * len(rows),
+                       "return_logprob": True, "logprob_start_len": [starts[i] - 1 for i in rows]}
+            if self.cfg.lora_adapter:
+                request["lora_path"] = LORA_NAME
+            _, outputs = self._generate_request(request, k % len(self.urls))
+            # input_token_logprobs[j] is about token logprob_start_len + j, (log-prob, token id, text), the first
+            # one None (measured on 0.5.23: SGLang computes none for the token at logprob_start_len)
+            return [[logprob for logprob, *_ in out["meta_info"]["input_token_logprobs"][1:]]
+                    for out in outputs]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(chunks), len(self.urls)))) as pool:
+            return [row for rows in pool.map(serve, range(len(chunks))) for row in rows]
+
     def _sample(self, entry: _Entry, engine: int, out: dict) -> RolloutSample:
         meta = out["meta_info"]
         reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "abort"

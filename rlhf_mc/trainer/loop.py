@@ -23,12 +23,14 @@ from tqdm import tqdm
 from rlhf_mc.algorithms import core
 from rlhf_mc.bridge.adapters import write_peft_adapter
 from rlhf_mc.bridge.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
-from rlhf_mc.config import RouterConfig
+from rlhf_mc.config import RolloutConfig, RouterConfig, import_by_path
 from rlhf_mc.data.dataset import Prompt, batch_for_step, load_prompts, load_sft
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.models.lora import zero_adapter
+from rlhf_mc.rewards.judge import Judge
 from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rollout.base import SamplingParams
+from rlhf_mc.rollout.sglang_engine import SGLangEngine
 from rlhf_mc.tools.executor import tool_schema
 from rlhf_mc.trainer import checkpoints
 from rlhf_mc.trainer.colocation import ColocationSchedule
@@ -36,6 +38,7 @@ from rlhf_mc.trainer.metrics import MetricsLogger, Timer
 from rlhf_mc.trainer.placement import Cluster
 from rlhf_mc.trainer.rollouts import RolloutManager
 from rlhf_mc.trainer.stream import RolloutStream
+from rlhf_mc.trainer.teacher import MegatronTeacher, ServedTeacher, distillation_metrics
 from rlhf_mc.trainer.plan import Plan
 from rlhf_mc.trainer.recipe import Recipe, model_config, to_dict
 
@@ -62,9 +65,10 @@ class Stop:
 
 def advantages(recipe: Recipe, batch: Trajectories, kl_coef: float = 0.0
                ) -> tuple[dict[str, torch.Tensor], float | None]:
-    """Per token: "advantages" (and "returns" for GAE), from the scores and the per-token fields; with the KL in
-    the reward at `kl_coef`, also the batch's KL as verl's KL controller reads it (the mean over sequences of each
-    one's token-mean KL), else None."""
+    """Per token: "advantages" (and "returns" for GAE), from the scores and the per-token fields, plus the
+    teacher's distillation advantage when the batch has its log-probs; with the KL in the reward at `kl_coef`, also
+    the batch's KL as verl's KL controller reads it (the mean over sequences of each one's token-mean KL), else
+    None."""
     algo, mask = recipe.algorithm, batch.padded().bool()
     s, g = batch.scores, batch.groups
     token_rewards = core.token_rewards_with_kl(s, torch.zeros(mask.shape), mask, 0.0)
@@ -77,7 +81,9 @@ def advantages(recipe: Recipe, batch: Trajectories, kl_coef: float = 0.0
         # The outcome estimators take a sequence's summed token rewards as its score (verl's): score - coef * KL.
         s = core.masked_sum(token_rewards, mask, dim=-1)
     out = {}
-    if algo.estimator == "grpo":
+    if algo.estimator == "distill":  # the teacher's advantage alone (added below)
+        adv = torch.zeros(mask.shape)
+    elif algo.estimator == "grpo":
         adv = core.grpo_advantages(s, g, mask, algo.norm_by_std)
     elif algo.estimator == "rloo":
         adv = core.rloo_advantages(s, g, mask)
@@ -89,6 +95,10 @@ def advantages(recipe: Recipe, batch: Trajectories, kl_coef: float = 0.0
         adv, returns = core.gae_advantages(token_rewards, batch.padded(batch.fields["values"]), mask, algo.gamma,
                                            algo.lam)
         out["returns"] = batch.unpadded(returns)
+    if "teacher_logprobs" in batch.fields:
+        adv = adv + core.distillation_advantages(batch.padded(batch.fields["old_logprobs"]),
+                                                 batch.padded(batch.fields["teacher_logprobs"]), mask,
+                                                 recipe.teacher.kl_coef)
     out["advantages"] = batch.unpadded(adv)
     return out, current_kl
 
@@ -203,6 +213,10 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                                    str(engine_from))
             cluster.launch_engines(engine_from, run_dir / "logs", routed_experts=bool(model.num_experts),
                                    random_weights=start_from is None, lora_adapter=lora_adapter)
+            if recipe.teacher.path and recipe.teacher.backend == "engine":
+                cluster.serve("teacher", recipe.teacher.path, recipe.teacher.engine, run_dir / "logs")
+            if recipe.judge.enabled:
+                cluster.serve("judge", recipe.judge.path, recipe.judge.engine, run_dir / "logs")
             if plan.engines_release_memory:
                 # GPUs shared with the trainer: the engines take their memory and give it back before any worker
                 # allocates
@@ -259,9 +273,12 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.load_hf(reward_path, "score.weight")
-        rollouts = RolloutManager(recipe, cluster, schedule, tokenizer, scorer, reward_model)
+        teacher = _teacher(recipe, cluster)
+        judge = Judge(recipe.judge, cluster.served_addresses("judge"),
+                      AutoTokenizer.from_pretrained(recipe.judge.path)) if recipe.judge.enabled else None
+        rollouts = RolloutManager(recipe, cluster, schedule, tokenizer, scorer, reward_model, judge)
         try:
-            metrics = _run_steps(recipe, cluster, schedule, rollouts, actor, reference, critic, tokenizer,
+            metrics = _run_steps(recipe, cluster, schedule, rollouts, actor, reference, critic, teacher, tokenizer,
                                  train_prompts, val_prompts, trainer_state, total_steps, logger, run_dir, dropped, stop)
         finally:
             rollouts.close()
@@ -281,8 +298,24 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         cluster.shutdown()
 
 
+def _teacher(recipe: Recipe, cluster: Cluster):
+    """The teacher's handle (trainer/teacher.py), None without one: its Megatron worker group, loaded, or a client
+    of its served engines."""
+    t = recipe.teacher
+    if not t.path:
+        return None
+    if t.backend == "megatron":
+        group = cluster.worker_group("teacher", model_config_from_hf(read_hf_config(t.path)), t.parallel)
+        group.load_hf(t.path)
+        return MegatronTeacher(group, t.micro_batch_tokens)
+    addresses = tuple(cluster.served_addresses("teacher"))
+    return ServedTeacher(SGLangEngine(RolloutConfig(addresses=addresses, num_engines=len(addresses),
+                                                    max_concurrency=t.engine.max_concurrency,
+                                                    request_timeout_s=t.engine.request_timeout_s)))
+
+
 def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, rollouts: RolloutManager, actor,
-               reference, critic, tokenizer, train_prompts: list[Prompt], val_prompts: list[Prompt],
+               reference, critic, teacher, tokenizer, train_prompts: list[Prompt], val_prompts: list[Prompt],
                trainer_state: dict, total_steps: int, logger: MetricsLogger, run_dir: Path, dropped: int,
                stop: Stop) -> dict:
     data, r, trainer, algo = recipe.data, recipe.rollout, recipe.trainer, recipe.algorithm
@@ -297,6 +330,7 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
     critic_mini_batches = data.train_batch_size // (recipe.critic.ppo_mini_batch_size or data.train_batch_size)
     # the reference's own worker group, or its weights swapped into the actor's modules
     ref_logprobs = reference.logprobs if reference is not actor else actor.ref_logprobs
+    teacher_function = import_by_path("teacher.function", recipe.teacher.function) if teacher else None
     schedule.before_rollout(step, Timer(logger.phase))  # the engines hold the actor's weights, version = step
     timer, metrics = Timer(logger.phase), {}
     stop.in_steps = True
@@ -357,6 +391,9 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
                 if recipe.uses_reference:
                     with timer("ref_logprob"):
                         batch = batch.with_fields(ref_logprobs=ref_logprobs(batch, temperature, micro)["logprobs"])
+                if teacher is not None:
+                    with timer("teacher_logprob"):
+                        batch = batch.with_fields(teacher_logprobs=teacher_function(teacher, batch).float())
                 if critic:
                     with timer("values"):
                         values = critic.values(batch, critic_micro)["values"]
@@ -392,6 +429,8 @@ def _run_steps(recipe: Recipe, cluster: Cluster, schedule: ColocationSchedule, r
                 stream.weights_updated(step)
         metrics = _step_metrics(batch, entropy, sample_stats, actor_metrics, critic_metrics, epoch, dropped,
                                 recipe.reward.correct_score)
+        if teacher is not None:
+            metrics.update(distillation_metrics(batch))
         metrics.update(sync_metrics, **kl_metrics, **timer.times, **rollout_times,
                        **_idle(timer.times, stream.busy_since(started) if stream else busy, started,
                                time.perf_counter()),

@@ -358,6 +358,8 @@ class Cluster:
         check_groups_on_one_node(plan, self.slot_nodes, recipe.resources.devices_per_node)
         self.train_bundles = self.slots[:plan.actor_world]
         self.engines: list = []
+        self.engines_served: list = []  # the servers of served models (teacher, judge)
+        self._served: dict[str, list] = {}  # their addresses (or Ray references to them), by name
         self.groups: list[WorkerGroup] = []
 
     def _order_bundles(self) -> tuple[list[int], list[str], list[str], list[int | None]]:
@@ -448,6 +450,34 @@ class Cluster:
                 per_node))
         self._addresses = [engine.address.remote() for engine in self.engines]
 
+    def serve(self, name: str, model_path: str, cfg: RolloutConfig, log_dir: Path) -> None:
+        """Launches the SGLang servers of a served model `name` (a teacher or a judge: `cfg`'s num_engines, each on
+        the devices of the first rollout engine, whose cores or GPUs it shares; the plan checked that it has its
+        memory share on GPU) without waiting for them (served_addresses waits), or attaches to cfg.addresses.
+        Their weights never change: no weight sync, and a restarted one comes back as it was."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if cfg.addresses:
+            self._served[name] = list(cfg.addresses)
+            return
+        first = self.plan.engines[0][0] if self.plan.engines else 0
+        per_node = self.recipe.resources.devices_per_node
+        visible = ",".join(str(self.slot_gpus[first + i]) for i in range(cfg.tp)) if self.gpu else None
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=self.slots[first])
+        workers = [ray.remote(EngineWorker).options(num_cpus=0.05, max_concurrency=8, scheduling_strategy=strategy).remote(
+            dataclasses.replace(cfg, model_path=model_path, num_engines=1), str(log_dir / f"{name}{e}"), visible,
+            "127.0.0.1", False, first % per_node, per_node) for e in range(cfg.num_engines)]
+        self.engines_served += workers
+        self._served[name] = [worker.address.remote() for worker in workers]
+
+    def served_addresses(self, name: str) -> list[str]:
+        """The addresses of served model `name`'s servers, once they serve."""
+        import ray
+
+        return [a if isinstance(a, str) else ray.get(a) for a in self._served[name]]
+
     def engine_addresses(self) -> list[str]:
         """The launched engines' addresses, once they serve."""
         import ray
@@ -532,12 +562,12 @@ class Cluster:
 
         for group in self.groups:
             group.shutdown()
-        for engine in self.engines:
+        for engine in self.engines + self.engines_served:
             try:
                 ray.get(engine.call.remote("shutdown"), timeout=60)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             ray.kill(engine)
-        self.engines = []
+        self.engines, self.engines_served = [], []
         ray.shutdown()
 

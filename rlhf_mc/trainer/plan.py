@@ -152,6 +152,19 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
     reward_world = train_devices if recipe.reward.model else 0
     if reward_world:
         _in_section("reward.", recipe.reward.parallel.dp, reward_world)
+    teacher = recipe.teacher
+    megatron_teacher = bool(teacher.path) and teacher.backend == "megatron"
+    if megatron_teacher:
+        _in_section("teacher.", teacher.parallel.dp, train_devices)
+    for name, served in (("teacher", teacher.path and teacher.backend == "engine"), ("judge", recipe.judge.path)):
+        cfg = getattr(recipe, name).engine
+        if served and not cfg.addresses and device == "cuda" and cfg.mem_fraction_static is None:
+            raise ConfigError(f"{name}.engine.mem_fraction_static: required on GPU: the {name}'s engine shares the "
+                              "rollout engines' GPUs; give it its fraction of their memory (and lower "
+                              "rollout.engine.mem_fraction_static to leave it)")
+        if served and not cfg.addresses and cfg.tp > rollout_devices and not engine.addresses:
+            raise ConfigError(f"{name}.engine.tp: {cfg.tp} exceeds the rollout engines' {rollout_devices} devices, "
+                              "which it runs on")
     mini_batches, per_rank = _mini_batch(recipe.actor, recipe, "actor", actor_world)
     if recipe.uses_critic:
         _mini_batch(recipe.critic, recipe, "critic", critic_world)
@@ -212,6 +225,8 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
         tp_groups.append(("ref", recipe.ref.parallel.tp, ref_world))
     if reward_world:
         tp_groups.append(("reward", recipe.reward.parallel.tp, reward_world))
+    if megatron_teacher:
+        tp_groups.append(("teacher", teacher.parallel.tp, train_devices))
     for role, tp, _ in tp_groups:
         if per_node % tp:
             raise ConfigError(f"{role}.parallel.tp: {tp} does not divide resources.devices_per_node={per_node}: a "
@@ -313,6 +328,9 @@ def check_launch(recipe: Recipe, model: ModelConfig) -> None:
     _check_rollout_function(recipe)
     import_by_path("algorithm.group_filter", recipe.algorithm.group_filter)
     resume_from(Path(recipe.trainer.output_dir), recipe.trainer.resume)
+    _check_teacher(recipe)
+    if recipe.judge.enabled:
+        import_by_path("judge.function", recipe.judge.function)
     if recipe.reward.model:
         from rlhf_mc.bridge.hf_config import read_hf_config
 
@@ -323,6 +341,29 @@ def check_launch(recipe: Recipe, model: ModelConfig) -> None:
             raise ConfigError(f"reward.model: {recipe.reward.model} is not a one-label sequence-classification "
                               f"checkpoint (architectures {hf.get('architectures')})")
         _in_section("reward.parallel.", recipe.reward.parallel.check_model, reward_model)
+
+
+def _check_teacher(recipe: Recipe) -> None:
+    """The teacher is a complete HF checkpoint of a supported architecture (one a Megatron teacher can load; a
+    served one needs a config), its function imports, and it tokenizes as the actor does: the same vocabulary,
+    token for token (it scores the student's token ids)."""
+    from transformers import AutoTokenizer
+
+    teacher = recipe.teacher
+    if not teacher.path:
+        return
+    import_by_path("teacher.function", teacher.function)
+    if teacher.backend == "megatron":
+        _in_section("teacher.parallel.", teacher.parallel.check_model, _checked_hf_dir("teacher.path", teacher.path))
+    elif not (Path(teacher.path) / "config.json").is_file():
+        raise ConfigError(f"teacher.path: no HF checkpoint (config.json) at {teacher.path}")
+    ours = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path).get_vocab()
+    theirs = AutoTokenizer.from_pretrained(teacher.path).get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ConfigError(f"teacher.path: {teacher.path} tokenizes differently from the actor ({len(theirs)} "
+                          f"tokens vs {len(ours)}; e.g. {differ}): its log-probs of the student's token ids would "
+                          "be of other text. Distill from a teacher with the actor's tokenizer")
 
 
 def _checked_hf_dir(field: str, path: str, model: ModelConfig | None = None) -> ModelConfig:

@@ -153,7 +153,10 @@ class RefSection:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSection:
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    # distill: on-policy distillation alone, the teacher's per-token advantage (teacher section) without an outcome
+    # one (scores are still computed: logged, and read by validation); with any other estimator a teacher's
+    # advantage is added to the estimator's
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"] = "grpo"
     norm_by_std: bool = True  # GRPO: divide by the group's std (false = Dr. GRPO)
     gamma: float = 1.0
     lam: float = 1.0  # GAE lambda
@@ -212,12 +215,144 @@ class RewardSection:
     overlong_penalty: float = 1.0
 
     def __post_init__(self):
-        if not self.function and not self.model:
-            raise ConfigError("function: no reward: give reward.function, reward.model or both")
         check_at_least(self, 0, "overlong_buffer", "overlong_penalty")
         check_at_least(self, 1, "workers")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
+
+
+def _served_engine(section: str, engine: RolloutConfig) -> None:
+    """The settings of a served model's SGLang engine (teacher, judge) that the trainer sets or that serve no purpose
+    there, refused by name."""
+    for name in ("model_path", "return_routed_experts", "lora_adapter", "random_weights"):
+        if getattr(engine, name) != getattr(RolloutConfig, name):
+            raise ConfigError(f"{section}.engine.{name}: {getattr(engine, name)!r}: the served model's engine starts "
+                              f"from {section}.path (or attaches by addresses) and serves it as it is; leave it out")
+    if engine.host != RolloutConfig.host:
+        raise ConfigError(f"{section}.engine.host: {engine.host!r}: set by the trainer; leave it out")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSection:
+    """On-policy distillation: a teacher's log-probs of the student's own sampled tokens, and per token the
+    advantage kl_coef * (log p_teacher - log p_student) (algorithms/core.distillation_advantages) added to the
+    estimator's (algorithm.estimator=distill: the teacher's alone). The teacher must share the actor's tokenizer."""
+
+    path: str = ""  # the teacher's HF checkpoint; "" = no teacher
+    # engine: an SGLang server asked for the log-probs of the given tokens (prefill only), launched here on the
+    # rollout engines' devices (or attached by engine.addresses); megatron: a worker group on the training devices,
+    # like a separate reference (parallel below)
+    backend: Literal["engine", "megatron"] = "engine"
+    kl_coef: float = 1.0
+    engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    micro_batch_tokens: int = 8192  # megatron: the token budget of its forward's micro-batches
+    # the teacher's log-probs of a batch: fn(teacher, batch: Trajectories) -> [T] tensor (trajectory.py's per-token
+    # layout), "package.module:function"; `teacher` has .logprobs(batch) and, served, .engine (rollout/sglang_engine)
+    function: str = "rlhf_mc.trainer.teacher:token_logprobs"
+
+    def __post_init__(self):
+        if self.kl_coef <= 0:
+            raise ConfigError(f"kl_coef: must be > 0, got {self.kl_coef}")
+        check_at_least(self, 1, "micro_batch_tokens")
+        _served_engine("teacher", self.engine)
+        if not self.path and self.engine != RolloutConfig():
+            raise ConfigError("path: teacher.engine set without teacher.path, the teacher's HF checkpoint (its "
+                              "tokenizer is checked against the actor's, and it is what a launched engine serves)")
+        if self.backend == "megatron" and self.engine != RolloutConfig():
+            raise ConfigError("engine: set with teacher.backend=megatron, which runs no engine; leave it out or set "
+                              "backend=engine")
+        if self.backend == "engine" and self.parallel != ParallelConfig():
+            raise ConfigError("parallel: the Megatron teacher's (teacher.backend=megatron); the served teacher's "
+                              "engine takes teacher.engine.tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgeSection:
+    """A generative reward: an LLM judge served by its own SGLang engine (launched here on the rollout engines'
+    devices, or attached by engine.addresses) reads each response in `template` and answers; `parser` reads its
+    verdict. The score (a number in score_range mapped to [0, 1], or a label's value from `labels`) times `weight`
+    is added to the rule's. A call that times out, fails or gives no verdict is retried, then scored
+    failure_score and counted (reward/judge_*); the step never waits longer than (retries + 1) * timeout_s."""
+
+    path: str = ""  # the judge's HF checkpoint (attached by engine.addresses: its tokenizer at least); "" = none
+    engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    # the judge's user message; placeholders {response} (required), {question} (the prompt's text) and {reference}
+    # (the row's answer_key value)
+    template: str = ""
+    chat_template: bool = True  # the message as a user turn in the judge tokenizer's chat template, else plain text
+    parser: str = r"(-?\d+(?:\.\d+)?)"  # a regular expression searched in the answer; group 1 is the verdict
+    score_range: tuple[float, float] = (0.0, 10.0)  # a number verdict in [lo, hi] -> (v - lo) / (hi - lo)
+    labels: dict[str, float] = dataclasses.field(default_factory=dict)  # label verdicts: label -> score (instead of numbers)
+    # an answer the parser must read (checked when the recipe loads); default: each label, else the range's ends
+    parser_example: str = ""
+    max_new_tokens: int = 32
+    timeout_s: float = 60.0  # per call
+    retries: int = 1
+    failure_score: float = 0.0
+    concurrency: int = 16  # calls in flight
+    weight: float = 1.0
+    # the judge's scores of a batch: fn(judge, prompts, responses, answers) -> list[float | None] (None: no
+    # verdict), "package.module:function"; `judge` (rewards/judge.Judge) has .ask(messages) and .verdict(text)
+    function: str = "rlhf_mc.rewards.judge:judge_scores"
+
+    def __post_init__(self):
+        import re
+        import string
+
+        _served_engine("judge", self.engine)
+        check_at_least(self, 1, "max_new_tokens", "concurrency")
+        check_at_least(self, 0, "retries")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if not self.enabled:
+            given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != (
+                f.default if f.default is not dataclasses.MISSING else f.default_factory())]
+            if given:
+                raise ConfigError(f"path: judge settings {given} without a judge: give judge.path (an HF checkpoint: "
+                                  "what a launched engine serves; with engine.addresses, the served model's tokenizer)")
+            return
+        fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}
+        if "response" not in fields:
+            raise ConfigError(f"template: {self.template!r} has no {{response}} placeholder: the judge would never "
+                              "see the response")
+        if fields - {"response", "question", "reference"}:
+            raise ConfigError(f"template: unknown placeholders {sorted(fields - {'response', 'question', 'reference'})}"
+                              " (known: response, question, reference)")
+        try:
+            pattern = re.compile(self.parser)
+        except re.error as e:
+            raise ConfigError(f"parser: {self.parser!r} is not a regular expression ({e})") from None
+        if pattern.groups != 1:
+            raise ConfigError(f"parser: {self.parser!r} has {pattern.groups} groups; one group holds the verdict")
+        if len(self.score_range) != 2 or not self.score_range[0] < self.score_range[1]:
+            raise ConfigError(f"score_range: needs [lo, hi] with lo < hi, got {list(self.score_range)}")
+        lo, hi = self.score_range
+        examples = [self.parser_example] if self.parser_example else (
+            [str(k) for k in self.labels] or [f"{lo:g}", f"{hi:g}"])
+        for example in examples:
+            match = pattern.search(example)
+            if match is None or self.verdict(match.group(1)) is None:
+                raise ConfigError(f"parser: {self.parser!r} reads no verdict from {example!r}"
+                                  f"{' (judge.labels: ' + str(sorted(self.labels)) + ')' if self.labels else ''}; "
+                                  "fix the expression, or set judge.parser_example to an answer it must read")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def verdict(self, text: str) -> float | None:
+        """The score of a verdict the parser read: its label's, or the number mapped from score_range to [0, 1];
+        None if it is neither."""
+        if self.labels:
+            value = self.labels.get(text.strip())
+            return None if value is None else float(value)
+        try:
+            number = float(text)
+        except ValueError:
+            return None
+        lo, hi = self.score_range
+        return (number - lo) / (hi - lo) if lo <= number <= hi else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +428,14 @@ class Recipe:
     # tools the policy calls in multi-turn rollouts (rollout.function rlhf_mc.rollout.multi_turn:tool_loop); their
     # schemas go into the prompts' and SFT conversations' chat template
     tools: ToolsConfig = dataclasses.field(default_factory=ToolsConfig)
+    teacher: TeacherSection = dataclasses.field(default_factory=TeacherSection)  # on-policy distillation
+    judge: JudgeSection = dataclasses.field(default_factory=JudgeSection)  # a generative reward
 
     def __post_init__(self):
+        if not (self.reward.function or self.reward.model or self.judge.enabled):
+            raise ConfigError("reward.function: no reward: give reward.function, reward.model, a judge or several")
+        if self.algorithm.estimator == "distill" and not self.teacher.path:
+            raise ConfigError("algorithm.estimator: distill learns from a teacher: set teacher.path")
         if self.tools != ToolsConfig() and not self.tools.functions:
             raise ConfigError("tools: settings given but no tools.functions")
         if self.tools.functions and not self.data.chat_template:
@@ -332,12 +473,12 @@ class Recipe:
     @property
     def old_logprobs_from_update(self) -> bool:
         """The step's one optimizer step computes the old log-probs (see skip_on_policy_old_logprobs); the KL in
-        the reward needs them before the advantages, so it keeps the forward, and so does an off-policy mode (its
-        samples come from older weights than the ones trained)."""
+        the reward needs them before the advantages, so it keeps the forward, and so do a teacher's advantage and
+        an off-policy mode (its samples come from older weights than the ones trained)."""
         actor = self.actor
         return (self.rollout.mode == "sync" and self.algorithm.skip_on_policy_old_logprobs and actor.ppo_epochs == 1
                 and actor.ppo_mini_batch_size in (0, self.data.train_batch_size)
-                and self.algorithm.kl_in_reward_coef == 0)
+                and self.algorithm.kl_in_reward_coef == 0 and not self.teacher.path)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -364,7 +505,7 @@ def resolve_path(path: str) -> Path:
 
 # the recipe's file and directory paths, resolved once when it loads
 PATHS = {"model": ("path", "config", "tokenizer"), "data": ("train_path", "val_path"), "sft": ("data_path",),
-         "reward": ("model",)}
+         "reward": ("model",), "teacher": ("path",), "judge": ("path",)}
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:

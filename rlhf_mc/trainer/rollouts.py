@@ -4,11 +4,13 @@ training step"). The rollout function and the group filter come from the recipe 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 from rlhf_mc.config import import_by_path
 from rlhf_mc.data.dataset import Prompt
 from rlhf_mc.data.trajectory import Sample, Trajectories
+from rlhf_mc.rewards import judge as judges
 from rlhf_mc.rewards.scoring import RewardScorer
 from rlhf_mc.rewards.shaping import overlong_penalty
 from rlhf_mc.rollout.base import SamplingParams
@@ -18,9 +20,19 @@ from rlhf_mc.trainer.metrics import Timer
 from rlhf_mc.trainer.recipe import Recipe
 
 
+# the reward stats that count (added up over dynamic sampling's rounds; the others are means)
+COUNTS = ("reward/failures", "reward/timeouts", "reward/judge_failures", "reward/judge_timeouts",
+          "reward/judge_errors")
+
+
 class RolloutManager:
-    def __init__(self, recipe: Recipe, cluster, schedule, tokenizer, scorer: RewardScorer | None, reward_model):
+    def __init__(self, recipe: Recipe, cluster, schedule, tokenizer, scorer: RewardScorer | None, reward_model,
+                 judge: judges.Judge | None = None):
         self.recipe, self.tokenizer, self.scorer, self.reward_model = recipe, tokenizer, scorer, reward_model
+        self.judge = judge
+        self.judge_function = import_by_path("judge.function", recipe.judge.function) if judge else None
+        # the judge function runs beside the rule's scoring; its calls go to the judge's own pool
+        self.judging = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="judging") if judge else None
         self.generate = functools.partial(cluster.generate, restore=schedule.restore_engine)
         r = recipe.rollout
         # a multi-turn function gets the recipe's tools (trainer/plan.check_launch: only one that takes them)
@@ -32,6 +44,9 @@ class RolloutManager:
     def close(self) -> None:
         if self.tools is not None:
             self.tools.close()
+        if self.judge is not None:
+            self.judging.shutdown(wait=False, cancel_futures=True)
+            self.judge.close()
 
     def rollout(self, prompts: list[Prompt], sampling: SamplingParams, first_session: int = 0) -> list[Sample]:
         """The rollout function on `prompts`. Their sessions (which engine serves a prompt's turns: the session
@@ -65,7 +80,7 @@ class RolloutManager:
             with timer("reward"):
                 scores, reward_stats = self.score(prompts, answered)
             for k, v in reward_stats.items():  # counts add up over rounds; means are the last round's
-                stats[k] = stats.get(k, 0) + v if k in ("reward/failures", "reward/timeouts") else v
+                stats[k] = stats.get(k, 0) + v if k in COUNTS else v
             groups: dict[int, list[int]] = {}
             for i, s in enumerate(answered):
                 groups.setdefault(s.prompt_index, []).append(i)
@@ -89,18 +104,26 @@ class RolloutManager:
                            f"({stats['data/groups_dropped']} groups dropped)")
 
     def score(self, prompts: list[Prompt], samples: list[Sample]) -> tuple[list[float], dict]:
-        """Per sample: the rule's score (reward.function) plus the reward model's (reward.model) plus the overlong
-        penalty on the sampled tokens, with their stats."""
+        """Per sample: the rule's score (reward.function) plus the reward model's (reward.model) plus the judge's
+        (judge section, asked while the others score) plus the overlong penalty on the sampled tokens, with their
+        stats."""
         scores, stats = [0.0] * len(samples), {}
+        responses, answers = [s.text for s in samples], [prompts[s.prompt_index].answer for s in samples]
+        questions = [prompts[s.prompt_index].text for s in samples]
+        judged = None
+        if self.judge is not None:
+            judged = self.judging.submit(judges.scores_and_stats, self.judge_function, self.judge, questions,
+                                            responses, answers)
         if self.scorer is not None:
-            scores, stats = self.scorer.score([s.text for s in samples],
-                                              [prompts[s.prompt_index].answer for s in samples],
-                                              [prompts[s.prompt_index].text for s in samples],
-                                              [s.messages for s in samples])
+            scores, stats = self.scorer.score(responses, answers, questions, [s.messages for s in samples])
         if self.reward_model is not None:
             learned = self.reward_model.score([s.tokens for s in samples])
             scores = [a + b for a, b in zip(scores, learned)]
             stats["reward/model_mean"] = sum(learned) / len(learned)
+        if judged is not None:
+            verdicts, judge_stats = judged.result()
+            scores = [a + b for a, b in zip(scores, verdicts)]
+            stats.update(judge_stats)
         reward, max_length = self.recipe.reward, self.recipe.data.max_response_length
         if reward.overlong_buffer:
             penalties = [overlong_penalty(sum(s.loss_mask), max_length, reward.overlong_buffer,
