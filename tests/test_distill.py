@@ -112,3 +112,48 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
         load_recipe("recipes/quickstart.yaml", ["algorithm.estimator=distill"])
     with pytest.raises(ConfigError, match=r"^teacher\.engine: set with teacher\.backend=megatron"):
         load_recipe("recipes/quickstart.yaml", ["teacher.path=x", "teacher.backend=megatron", "teacher.engine.tp=2"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["engine", "megatron"])
+def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
+    """tools/launch.py with a teacher (a random model of the quickstart's architecture and tokenizer; served by its
+    own SGLang engine or run as a Megatron worker group) and, served, the same model as a judge: each step's loss is
+    the teacher's advantage alone (on-policy, ratio 1: the token-mean policy loss is the mean reverse KL, computed in
+    the driver from the teacher's and the student's log-probs), and the judge's random answers are scored or
+    counted, none timing out."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import transformers as T
+
+    from rlhf_mc.bridge.hf_config import hf_config_from_model
+    from rlhf_mc.config import ModelConfig
+    from tests.test_trainer import ONE_SLOT, REPO
+
+    teacher = tmp_path / "teacher"
+    config = hf_config_from_model(ModelConfig.from_yaml(REPO / "model_configs/tiny-arith.yaml"))
+    torch.manual_seed(1)
+    T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**config)).save_pretrained(teacher)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "recipes/data/arith" / name, teacher)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
+         "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
+         "data.val_path=", "trainer.loggers=[jsonl]", f"teacher.path={teacher}", f"teacher.backend={backend}",
+         "algorithm.estimator=distill", f"judge.path={teacher}", "judge.chat_template=false",
+         "judge.template='{question}{response}='", "judge.max_new_tokens=4", "judge.score_range=[0,200]"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["actor/pg_loss"] == pytest.approx(s["teacher/reverse_kl"], abs=1e-5)
+        assert abs(s["teacher/reverse_kl"]) > 1e-3 and s["teacher/logprob_mean"] < 0
+        assert s["rollout/logprob_diff"] < 1e-4
+        assert s["reward/judge_timeouts"] == 0 and s["reward/judge_errors"] == 0
+        assert 0 <= s["reward/judge_failures"] <= 16
+    assert (out / "logs" / "teacher0").is_dir() == (backend == "engine")

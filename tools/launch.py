@@ -109,10 +109,21 @@ def screen(path: str, recipe, model, plan) -> list[str]:
              "checkpoints/, final_hf/)",
              f"model: {model.name or model.family} ({model.family}; {size}), {m.dtype}; {start}"]
     if not sft.only:
+        rewards = [x for x in (recipe.reward.function, recipe.reward.model) if x]
+        rewards += [f"judge {recipe.judge.path}"] if recipe.judge.enabled else []
         lines.append(f"task: {recipe.algorithm.estimator}, {steps} of {data.train_batch_size} prompts x {r.n} "
-                     f"samples, reward {recipe.reward.function or recipe.reward.model}"
+                     f"samples, reward {' + '.join(rewards)}"
                      + (f"; {val} ({data.val_size or 'all'} prompts)" if data.val_path else ""))
         lines.append(f"engines: SGLang, {engines}; rollout {r.mode}, {r.placement}")
+        for name, section in (("teacher", recipe.teacher), ("judge", recipe.judge)):
+            if section.path and (name == "judge" or section.backend == "engine"):
+                e = section.engine
+                where = (f"attached ({', '.join(e.addresses)})" if e.addresses else
+                         f"{e.num_engines} launched on the first rollout engine's devices, tp={e.tp}, {e.dtype}")
+                lines.append(f"{name}: {section.path}, SGLang, {where}")
+            elif section.path:
+                lines.append(f"{name}: {section.path}, Megatron worker group on the training devices, "
+                             f"tp={section.parallel.tp} pp={section.parallel.pp}")
     return lines + ["plan:", *(f"  {line}" for line in plan.lines())]
 
 

@@ -5,6 +5,11 @@ answers 12.5% of them (96 held-out prompts, greedy, tools/eval_hf.py); at two or
 answered 3%. Reproducible from a seed; the held-out split shares no problem with the training one.
 
     python tools/make_word_task.py [--out recipes/data/word] [--seed 0] [--train 4000] [--test 200]
+        [--answer number|sentence]
+
+--answer sentence asks for one sentence with the number in words instead ("Mia has nine shells now."), which no rule
+reward scores exactly: the judge recipe's task (recipes/grpo_smollm2_135m_judge.yaml, its data in
+recipes/data/word_sentence).
 
 Files: train.jsonl and test.jsonl with "prompt" (the problem and the instruction) and "answer" (the number). The
 prompts are plain text: the recipe renders them with the model's own chat template (data.chat_template).
@@ -17,13 +22,14 @@ import json
 import random
 from pathlib import Path
 
-INSTRUCTION = "Give only the final number after \"####\"."
+INSTRUCTIONS = {"number": "Give only the final number after \"####\".",
+                "sentence": "Answer in one short sentence, writing the number in words."}
 NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Ben", "Ivy", "Max", "Lily", "Noah", "Emma", "Owen"]
 THINGS = ["apples", "shells", "stickers", "marbles", "coins", "books", "pencils", "stamps", "cards", "cookies"]
 PRONOUN = {"Mia": "She", "Ava": "She", "Zoe": "She", "Ivy": "She", "Lily": "She", "Emma": "She"}
 
 
-def problem(rng: random.Random) -> tuple[str, int]:
+def problem(rng: random.Random, answer: str = "number") -> tuple[str, int]:
     """One problem and its answer: a start, then one or two changes (finds / buys / gets more, gives / loses some),
     never below one."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
@@ -41,7 +47,7 @@ def problem(rng: random.Random) -> tuple[str, int]:
             steps.append(rng.choice(["finds {n} more", "buys {n} more", "gets {n} more"]).format(n=n))
             count += n
     parts.append(f"{he} {', then '.join(steps)}.")
-    parts.append(f"How many {thing} does {name} have now? {INSTRUCTION}")
+    parts.append(f"How many {thing} does {name} have now? {INSTRUCTIONS[answer]}")
     return " ".join(parts), count
 
 
@@ -51,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", type=int, default=4000)
     parser.add_argument("--test", type=int, default=200)
+    parser.add_argument("--answer", choices=sorted(INSTRUCTIONS), default="number")
     args = parser.parse_args(argv)
     rng, seen, rows = random.Random(args.seed), set(), []
     while len(rows) < args.train + args.test:
-        prompt, answer = problem(rng)
+        prompt, answer = problem(rng, args.answer)
         if prompt not in seen:
             seen.add(prompt)
             rows.append({"prompt": prompt, "answer": str(answer)})

@@ -283,7 +283,8 @@ class JudgeSection:
     chat_template: bool = True  # the message as a user turn in the judge tokenizer's chat template, else plain text
     parser: str = r"(-?\d+(?:\.\d+)?)"  # a regular expression searched in the answer; group 1 is the verdict
     score_range: tuple[float, float] = (0.0, 10.0)  # a number verdict in [lo, hi] -> (v - lo) / (hi - lo)
-    labels: dict[str, float] = dataclasses.field(default_factory=dict)  # label verdicts: label -> score (instead of numbers)
+    # label verdicts: label -> score (instead of numbers), matched exactly, else case-insensitively
+    labels: dict[str, float] = dataclasses.field(default_factory=dict)
     # an answer the parser must read (checked when the recipe loads); default: each label, else the range's ends
     parser_example: str = ""
     max_new_tokens: int = 32
@@ -344,8 +345,9 @@ class JudgeSection:
     def verdict(self, text: str) -> float | None:
         """The score of a verdict the parser read: its label's, or the number mapped from score_range to [0, 1];
         None if it is neither."""
-        if self.labels:
-            value = self.labels.get(text.strip())
+        if self.labels:  # exactly, else case-insensitively
+            text = text.strip()
+            value = self.labels.get(text, {k.lower(): v for k, v in self.labels.items()}.get(text.lower()))
             return None if value is None else float(value)
         try:
             number = float(text)
