@@ -119,7 +119,7 @@ def screen(path: str, recipe, model, plan) -> list[str]:
             if section.path and (name == "judge" or section.backend == "engine"):
                 e = section.engine
                 where = (f"attached ({', '.join(e.addresses)})" if e.addresses else
-                         f"{e.num_engines} launched on the first rollout engine's devices, tp={e.tp}, {e.dtype}")
+                         f"{e.num_engines} launched on the rollout engines' devices, tp={e.tp}, {e.dtype}")
                 lines.append(f"{name}: {section.path}, SGLang, {where}")
             elif section.path:
                 lines.append(f"{name}: {section.path}, Megatron worker group on the training devices, "

@@ -398,8 +398,8 @@ class SGLangEngine:
     def score(self, sequences: list[list[int]], starts: list[int]) -> list[list[float]]:
         """Prefill only: each sequence's log-probs of its tokens from `starts[i]` on (token t given the tokens before
         it), under the served model's softmax of its raw logits (SGLang's input log-probs are never
-        temperature-scaled). Nothing is generated (max_new_tokens 0); requests of at most max_concurrency
-        sequences go to the engines in turn, a dead server's restarted and retried as generate's are."""
+        temperature-scaled). Nothing is generated (max_new_tokens 0); the sequences are dealt to the engines in
+        one request each (of at most max_concurrency), a dead server's restarted and retried as generate's are."""
         for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
             if not 1 <= start < len(seq):
                 raise ValueError(f"starts[{i}]: {start} must lie in [1, {len(seq)}) (a token's log-prob needs the "
@@ -407,8 +407,9 @@ class SGLangEngine:
             if len(seq) > self.max_sequence_length:
                 raise ValueError(f"sequences[{i}]: {len(seq)} tokens, more than the engine holds "
                                  f"({self.max_sequence_length})")
-        chunks = [range(first, min(first + self.cfg.max_concurrency, len(sequences)))
-                  for first in range(0, len(sequences), self.cfg.max_concurrency)]
+        # as many requests as engines (at most max_concurrency sequences each), served at once
+        size = min(self.cfg.max_concurrency, max(1, -(-len(sequences) // len(self.urls))))
+        chunks = [range(first, min(first + size, len(sequences))) for first in range(0, len(sequences), size)]
 
         def serve(k: int) -> list[list[float]]:
             rows = chunks[k]

@@ -451,9 +451,10 @@ class Cluster:
         self._addresses = [engine.address.remote() for engine in self.engines]
 
     def serve(self, name: str, model_path: str, cfg: RolloutConfig, log_dir: Path) -> None:
-        """Launches the SGLang servers of a served model `name` (a teacher or a judge: `cfg`'s num_engines, each on
-        the devices of the first rollout engine, whose cores or GPUs it shares; the plan checked that it has its
-        memory share on GPU) without waiting for them (served_addresses waits), or attaches to cfg.addresses.
+        """Launches the SGLang servers of a served model `name` (a teacher or a judge: `cfg`'s num_engines, engine e
+        on the devices of rollout engine e modulo their number, whose cores or GPUs it shares; the plan checked
+        that it has its memory share on GPU) without waiting for them (served_addresses waits), or attaches to
+        cfg.addresses.
         Their weights never change: no weight sync, and a restarted one comes back as it was."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -461,14 +462,18 @@ class Cluster:
         if cfg.addresses:
             self._served[name] = list(cfg.addresses)
             return
-        first = self.plan.engines[0][0] if self.plan.engines else 0
         per_node = self.recipe.resources.devices_per_node
-        visible = ",".join(str(self.slot_gpus[first + i]) for i in range(cfg.tp)) if self.gpu else None
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                    placement_group_bundle_index=self.slots[first])
-        workers = [ray.remote(EngineWorker).options(num_cpus=0.05, max_concurrency=8, scheduling_strategy=strategy).remote(
-            dataclasses.replace(cfg, model_path=model_path, num_engines=1), str(log_dir / f"{name}{e}"), visible,
-            "127.0.0.1", False, first % per_node, per_node) for e in range(cfg.num_engines)]
+        workers = []
+        for e in range(cfg.num_engines):
+            # engine e on rollout engine e's first devices (round-robin), or from slot 0 with attached engines
+            first = self.plan.engines[e % len(self.plan.engines)][0] if self.plan.engines else 0
+            visible = ",".join(str(self.slot_gpus[first + i]) for i in range(cfg.tp)) if self.gpu else None
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                        placement_group_bundle_index=self.slots[first])
+            workers.append(ray.remote(EngineWorker).options(num_cpus=0.05, max_concurrency=8,
+                                                            scheduling_strategy=strategy).remote(
+                dataclasses.replace(cfg, model_path=model_path, num_engines=1), str(log_dir / f"{name}{e}"),
+                visible, "127.0.0.1", False, first % per_node, per_node))
         self.engines_served += workers
         self._served[name] = [worker.address.remote() for worker in workers]
 

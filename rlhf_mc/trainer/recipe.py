@@ -272,8 +272,9 @@ class JudgeSection:
     """A generative reward: an LLM judge served by its own SGLang engine (launched here on the rollout engines'
     devices, or attached by engine.addresses) reads each response in `template` and answers; `parser` reads its
     verdict. The score (a number in score_range mapped to [0, 1], or a label's value from `labels`) times `weight`
-    is added to the rule's. A call that times out, fails or gives no verdict is retried, then scored
-    failure_score and counted (reward/judge_*); the step never waits longer than (retries + 1) * timeout_s."""
+    is added to the rule's. A call that times out or fails is retried `retries` times; one still unanswered, or an
+    answer without a verdict (not retried: the judge answers greedily), is scored failure_score and counted
+    (reward/judge_*). A call takes at most (retries + 1) * timeout_s."""
 
     path: str = ""  # the judge's HF checkpoint (attached by engine.addresses: its tokenizer at least); "" = none
     engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
