@@ -133,15 +133,17 @@ class RolloutManager:
         return scores, stats
 
     def validate(self, prompts: list[Prompt]) -> dict:
-        """Greedy accuracy (score >= reward.correct_score) and, with rollout.val_n > 1, pass@val_n over samples."""
+        """Greedy accuracy (score >= reward.correct_score), the judge's counts, and, with rollout.val_n > 1,
+        pass@val_n over samples."""
         r, max_new = self.recipe.rollout, self.recipe.data.max_response_length
         eos = (self.tokenizer.eos_token_id,)
         samples = self.rollout(prompts, SamplingParams(temperature=0, max_new_tokens=max_new, stop_token_ids=eos))
-        scores, _ = self.score(prompts, samples)
+        scores, stats = self.score(prompts, samples)
         correct = self.recipe.reward.correct_score
         out = {"val/accuracy": sum(s >= correct for s in scores) / len(scores),
                "val/reward": sum(scores) / len(scores),
-               **trajectory_stats(samples, "val")}
+               **trajectory_stats(samples, "val"),
+               **{k.replace("reward/", "val/"): v for k, v in stats.items() if k.startswith("reward/judge_")}}
         if r.val_n > 1:
             sampling = SamplingParams(n=r.val_n, temperature=r.val_temperature, top_p=r.top_p, top_k=r.top_k,
                                       max_new_tokens=max_new, stop_token_ids=eos)
