@@ -31,7 +31,7 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 def stand_ins(recipe_path: Path, tmp_path: Path) -> list[str]:
     """Overrides that point a GPU recipe's missing inputs (/models/..., data/...) at stand-ins: an HF directory
     with the config.json of the recipe's model.config and a (tiny) weights file, data files of the same format; the
-    real model's recipe gets it (tools/prepare_model.py, cached under runs/)."""
+    real model's recipes get it (tools/prepare_model.py, cached under runs/), and their teacher or judge too."""
     from safetensors.torch import save_file
 
     from rlhf_mc.bridge.hf_config import hf_config_from_model
@@ -44,6 +44,11 @@ def stand_ins(recipe_path: Path, tmp_path: Path) -> list[str]:
             if not value or Path(value).exists():
                 continue
             stand_in = tmp_path / f"{section}_{field}{Path(value).suffix}"
+            if section in ("teacher", "judge"):  # served models: the actor's own checkpoint (its tokenizer)
+                model_path = next((o.split("=", 1)[1] for o in overrides if o.startswith("model.path=")),
+                                  recipe.model.path)
+                overrides.append(f"{section}.{field}={model_path}")
+                continue
             if section == "model" and not recipe.model.config:
                 sys.path.insert(0, str(REPO / "tools"))
                 from prepare_model import prepare, smollm2_gguf
