@@ -14,8 +14,10 @@ from pathlib import Path
 PANELS = [
     ("reward", ["reward/mean", "reward/accuracy"]),
     ("held-out", ["val/accuracy", "val/pass@"]),
-    # the KL terms, and the engine/trainer log-prob gap of the sampled tokens (every run has it)
-    ("KL, rollout gap", ["actor/kl_ref", "actor/approx_kl", "actor/kl_loss", "rollout/logprob_diff"]),
+    # the KL terms (to the reference, between updates, to a teacher), and the engine/trainer log-prob gap of the
+    # sampled tokens (every run has it)
+    ("KL, rollout gap", ["actor/kl_ref", "actor/approx_kl", "actor/kl_loss", "teacher/reverse_kl",
+                         "rollout/logprob_diff"]),
     ("entropy", ["actor/entropy"]),
     ("response length", ["response/length_mean", "response/length_max"]),
     ("seconds per phase", ["timing/"]),
