@@ -98,6 +98,34 @@ def test_served_teacher_logprobs_equal_the_megatron_teachers(sglang_engine, tiny
     assert served[~mask][:3].tolist() == [0.0, 0.0, 0.0]
 
 
+HINT = [3, 4, 5]
+
+
+def hinted_teacher(teacher, batch: Trajectories) -> torch.Tensor:
+    """A user's teacher.function: the teacher reads HINT before each sequence (a privileged prompt, say) and scores
+    the student's tokens after it, through the served engine's score."""
+    starts = [int(mask.nonzero()[0]) for mask in batch.rows(batch.loss_mask)]
+    scored = teacher.engine.score([HINT + row.tolist() for row in batch.rows()], [len(HINT) + s for s in starts])
+    return torch.cat([torch.cat([torch.zeros(s), torch.tensor(v)]) for s, v in zip(starts, scored)])
+
+
+def test_a_teacher_function_by_import_path_scores_what_it_chooses(sglang_engine, tiny_hf_model):
+    import transformers as T
+
+    from rlhf_mc.config import import_by_path
+    from rlhf_mc.trainer.teacher import ServedTeacher
+
+    batch = Trajectories.from_rows(SEQUENCES, MASKS)
+    out = import_by_path("teacher.function", "tests.test_distill:hinted_teacher")(ServedTeacher(sglang_engine), batch)
+    model = T.AutoModelForCausalLM.from_pretrained(tiny_hf_model, dtype=torch.float32).eval()
+    for row, mask, values in zip(SEQUENCES, MASKS, batch.rows(out)):
+        with torch.no_grad():  # transformers on HINT + the sequence, each token given the tokens before it
+            logp = torch.log_softmax(model(torch.tensor([HINT + row])).logits[0].float(), -1)
+        expected = torch.tensor([logp[len(HINT) + t - 1, row[t]] for t in range(len(row))])
+        first = mask.index(1)
+        assert (values[first:] - expected[first:]).abs().max() < 1e-4 and values[:first].eq(0).all()
+
+
 def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
     from rlhf_mc.trainer.plan import check_launch
     from rlhf_mc.trainer.recipe import load_recipe, model_config

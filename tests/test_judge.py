@@ -135,6 +135,26 @@ def test_a_real_judge_engine_that_answers_garbage_is_counted(sglang_engine, chat
     assert stats == {"reward/judge_failures": 3, "reward/judge_timeouts": 0, "reward/judge_errors": 0}
 
 
+def reference_only_judge(judge, prompts, responses, answers):
+    """A user's judge.function: asks whether each response equals its reference, in its own words, and reads the
+    verdict with the recipe's parser."""
+    return [judge.verdict(a) for a in judge.ask([f"Is {r} equal to {ref}?" for r, ref in zip(responses, answers)])]
+
+
+def test_a_judge_function_by_import_path(stand_in, chat_tokenizer):
+    from rlhf_mc.config import import_by_path
+
+    server = stand_in(answer="9")
+    judge = Judge(_judge_cfg(), [server.address], chat_tokenizer)
+    try:
+        function = import_by_path("judge.function", "tests.test_judge:reference_only_judge")
+        scores, stats = scores_and_stats(function, judge, ["q"], ["7"], ["8"])
+    finally:
+        judge.close()
+    assert scores == [pytest.approx(0.9)] and stats["reward/judge_mean"] == pytest.approx(0.9)
+    assert "Is 7 equal to 8?" in chat_tokenizer.decode(server.requests[0]["input_ids"])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["judge.template='{question}'"], r"^judge\.template: '\{question\}' has no \{response\} placeholder"),
     (["judge.parser='Score: ([0-9]+)'"], r"^judge\.parser: 'Score: \(\[0-9\]\+\)' reads no verdict from '0'"),
