@@ -146,7 +146,8 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("backend", ["engine", "megatron"])
 def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
     """tools/launch.py with a teacher (a random model of the quickstart's architecture and tokenizer; served by its
-    own SGLang engine or run as a Megatron worker group) and, served, the same model as a judge: each step's loss is
+    own SGLang engine, or run as a Megatron worker group offloaded while the engines generate) and, served, the
+    same model as a judge: each step's loss is
     the teacher's advantage alone (on-policy, ratio 1: the token-mean policy loss is the mean reverse KL, computed in
     the driver from the teacher's and the student's log-probs), and the judge's random answers are scored or
     counted, none timing out."""
@@ -172,6 +173,7 @@ def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
         [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
          "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
          "data.val_path=", "trainer.loggers=[jsonl]", f"teacher.path={teacher}", f"teacher.backend={backend}",
+         *(["teacher.offload=true"] if backend == "megatron" else []),
          "algorithm.estimator=distill", f"judge.path={teacher}", "judge.chat_template=false",
          "judge.template='{question}{response}='", "judge.max_new_tokens=4", "judge.score_range=[0,200]"],
         cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -185,3 +187,4 @@ def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
         assert s["reward/judge_timeouts"] == 0 and s["reward/judge_errors"] == 0
         assert 0 <= s["reward/judge_failures"] <= 16
     assert (out / "logs" / "teacher0").is_dir() == (backend == "engine")
+

@@ -89,7 +89,8 @@ def test_number_and_label_verdicts_and_the_message_the_judge_reads(stand_in, cha
     scores, stats = _score(_judge_cfg(weight=2.0), server.address, chat_tokenizer)
     assert scores == [pytest.approx(1.4)] * 3 and stats["reward/judge_mean"] == pytest.approx(0.7)
     assert stats["reward/judge_failures"] == 0 and stats["reward/judge_timeouts"] == 0
-    sent = chat_tokenizer.decode(server.requests[0]["input_ids"])
+    # the calls run at once: find the first sample's among them
+    (sent,) = [text for text in (chat_tokenizer.decode(r["input_ids"]) for r in server.requests) if "0+1" in text]
     assert "<|im_start|>user\nQuestion: what is 0+1?\nAnswer: 1\nReference: 1\nScore 0-10:<|im_end|>" in sent
     assert sent.endswith("<|im_start|>assistant\n")  # the judge's turn
     assert server.requests[0]["sampling_params"]["temperature"] == 0.0

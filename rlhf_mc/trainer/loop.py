@@ -243,7 +243,12 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         if recipe.uses_critic:
             critic = cluster.worker_group("critic", model, recipe.critic.parallel, value_head=True,
                                           recompute=recipe.critic.recompute, router=recipe.critic.router)
-        offloaded = [group for group, on in ((critic, recipe.critic.offload), (reference, recipe.ref.offload))
+        teacher_group = None
+        if recipe.teacher.path and recipe.teacher.backend == "megatron":
+            teacher_group = cluster.worker_group("teacher", model_config_from_hf(read_hf_config(recipe.teacher.path)),
+                                                 recipe.teacher.parallel)
+        offloaded = [group for group, on in ((critic, recipe.critic.offload), (reference, recipe.ref.offload),
+                                             (teacher_group, recipe.teacher.offload))
                      if group is not None and group is not actor and on]
         schedule = ColocationSchedule(cluster, actor, recipe.actor.offload, offloaded, plan.colocated,
                                       plan.engines_release_memory)
@@ -256,6 +261,8 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         actor.setup_optimizer(recipe.actor.optim)
         if reference is not actor:
             reference.load_hf(str(init_hf))
+        if teacher_group:
+            teacher_group.load_hf(recipe.teacher.path)
         if critic:
             critic.load_hf(str(init_hf))  # the value head starts from its own init
             critic.setup_optimizer(recipe.critic.optim)
@@ -273,7 +280,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
             reward_model = cluster.worker_group("reward", model_config_from_hf(read_hf_config(reward_path)),
                                                 recipe.reward.parallel, value_head=True)
             reward_model.load_hf(reward_path, "score.weight")
-        teacher = _teacher(recipe, cluster)
+        teacher = _teacher(recipe, cluster, teacher_group)
         judge = Judge(recipe.judge, cluster.served_addresses("judge"),
                       AutoTokenizer.from_pretrained(recipe.judge.path)) if recipe.judge.enabled else None
         rollouts = RolloutManager(recipe, cluster, schedule, tokenizer, scorer, reward_model, judge)
@@ -298,15 +305,13 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
         cluster.shutdown()
 
 
-def _teacher(recipe: Recipe, cluster: Cluster):
-    """The teacher's handle (trainer/teacher.py), None without one: its Megatron worker group, loaded, or a client
-    of its served engines."""
+def _teacher(recipe: Recipe, cluster: Cluster, group):
+    """The teacher's handle (trainer/teacher.py), None without one: its Megatron worker `group`, or a client of
+    its served engines."""
     t = recipe.teacher
     if not t.path:
         return None
     if t.backend == "megatron":
-        group = cluster.worker_group("teacher", model_config_from_hf(read_hf_config(t.path)), t.parallel)
-        group.load_hf(t.path)
         return MegatronTeacher(group, t.micro_batch_tokens)
     addresses = tuple(cluster.served_addresses("teacher"))
     return ServedTeacher(SGLangEngine(RolloutConfig(addresses=addresses, num_engines=len(addresses),

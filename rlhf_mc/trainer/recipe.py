@@ -247,6 +247,7 @@ class TeacherSection:
     engine: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     micro_batch_tokens: int = 8192  # megatron: the token budget of its forward's micro-batches
+    offload: bool = False  # megatron: its weights in host memory while the engines generate (colocated placement)
     # the teacher's log-probs of a batch: fn(teacher, batch: Trajectories) -> [T] tensor (trajectory.py's per-token
     # layout), "package.module:function"; `teacher` has .logprobs(batch) and, served, .engine (rollout/sglang_engine)
     function: str = "rlhf_mc.trainer.teacher:token_logprobs"
@@ -262,6 +263,9 @@ class TeacherSection:
         if self.backend == "megatron" and self.engine != RolloutConfig():
             raise ConfigError("engine: set with teacher.backend=megatron, which runs no engine; leave it out or set "
                               "backend=engine")
+        if self.backend == "engine" and self.offload:
+            raise ConfigError("offload: the Megatron teacher's (teacher.backend=megatron); a served teacher's engine "
+                              "keeps its memory")
         if self.backend == "engine" and self.parallel != ParallelConfig():
             raise ConfigError("parallel: the Megatron teacher's (teacher.backend=megatron); the served teacher's "
                               "engine takes teacher.engine.tp")
