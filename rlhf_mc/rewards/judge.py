@@ -46,9 +46,11 @@ class Judge:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)
 
-    def _count(self, what: str) -> None:
+    def _count(self, what: str) -> int:
+        """Counts one more of `what`; returns how many since the last take."""
         with self._lock:
             self.counts[what] += 1
+            return self.counts[what]
 
     def _ask_one(self, text: str) -> str | None:
         request = {"input_ids": self._input_ids(text),
@@ -64,8 +66,7 @@ class Judge:
             except requests.Timeout:
                 self._count("timeouts")
             except (requests.RequestException, ValueError, KeyError, IndexError) as error:
-                self._count("errors")
-                if self.counts["errors"] == 1:
+                if self._count("errors") == 1:
                     log.warning("judge call failed (attempt %d): %r", attempt + 1, error)
         return None
 

@@ -408,7 +408,6 @@ class Cluster:
         must then listen on loopback or a private network (SGLang's adapter endpoints have had a remote-code CVE)
         unless actor.lora.allow_remote_engines."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         cfg = dataclasses.replace(self.recipe.rollout.engine, model_path=model_path,
                                   return_routed_experts=routed_experts, random_weights=random_weights,
@@ -432,48 +431,47 @@ class Cluster:
                                       f"{longest}")
             self._addresses = [engine.address.remote() for engine in self.engines]
             return
-        spans_nodes = len(set(self.slot_nodes)) > 1
-        per_node = self.recipe.resources.devices_per_node
-        for e, (first, n) in enumerate(self.plan.engines):
-            slots = range(first, first + n)
-            # The engine's devices: the GPUs of its slots, in TP rank order (rank i on slot first + i, the device of
-            # the trainer rank that feeds its payloads when colocated).
-            visible = ",".join(str(self.slot_gpus[s]) for s in slots) if self.gpu else None
-            host = self.slot_ips[first] if spans_nodes else "127.0.0.1"
+        for e, (first, _) in enumerate(self.plan.engines):
             if lora_adapter and not self.recipe.actor.lora.allow_remote_engines:
-                check_private(host)
+                check_private(self._engine_host(first))
             engine_cfg = dataclasses.replace(cfg, base_port=cfg.base_port + e if cfg.base_port else 0)
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                        placement_group_bundle_index=self.slots[first])
-            self.engines.append(remote(num_cpus=0.05, max_concurrency=calls, scheduling_strategy=strategy).remote(
-                engine_cfg, str(log_dir / f"engine{e}"), visible, host, self.plan.colocated, first % per_node,
-                per_node))
+            self.engines.append(self._engine_worker(engine_cfg, first, log_dir / f"engine{e}", self.plan.colocated,
+                                                    calls))
         self._addresses = [engine.address.remote() for engine in self.engines]
+
+    def _engine_host(self, first: int) -> str:
+        """Where an engine whose first device slot is `first` listens: 127.0.0.1 unless the run spans nodes."""
+        return self.slot_ips[first] if len(set(self.slot_nodes)) > 1 else "127.0.0.1"
+
+    def _engine_worker(self, cfg: RolloutConfig, first: int, log_dir: Path, colocated: bool, calls: int):
+        """An EngineWorker (one SGLang server of cfg.tp ranks) on device slots first, first + 1, ...: on their node,
+        with their GPUs visible in TP rank order (rank i on slot first + i, the device of the trainer rank that
+        feeds its payloads when colocated), on CPU their share of the node's cores."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        visible = ",".join(str(self.slot_gpus[s]) for s in range(first, first + cfg.tp)) if self.gpu else None
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=self.slots[first])
+        per_node = self.recipe.resources.devices_per_node
+        return ray.remote(EngineWorker).options(num_cpus=0.05, max_concurrency=calls,
+                                                scheduling_strategy=strategy).remote(
+            cfg, str(log_dir), visible, self._engine_host(first), colocated, first % per_node, per_node)
 
     def serve(self, name: str, model_path: str, cfg: RolloutConfig, log_dir: Path) -> None:
         """Launches the SGLang servers of a served model `name` (a teacher or a judge: `cfg`'s num_engines, engine e
         on the devices of rollout engine e modulo their number, whose cores or GPUs it shares; the plan checked
-        that it has its memory share on GPU) without waiting for them (served_addresses waits), or attaches to
-        cfg.addresses.
-        Their weights never change: no weight sync, and a restarted one comes back as it was."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+        that it has its memory share on GPU; listening as those engines do) without waiting for them
+        (served_addresses waits), or attaches to cfg.addresses. Their weights never change: no weight sync, and a
+        restarted one comes back as it was."""
         if cfg.addresses:
             self._served[name] = list(cfg.addresses)
             return
-        per_node = self.recipe.resources.devices_per_node
-        workers = []
-        for e in range(cfg.num_engines):
-            # engine e on rollout engine e's first devices (round-robin), or from slot 0 with attached engines
-            first = self.plan.engines[e % len(self.plan.engines)][0] if self.plan.engines else 0
-            visible = ",".join(str(self.slot_gpus[first + i]) for i in range(cfg.tp)) if self.gpu else None
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                        placement_group_bundle_index=self.slots[first])
-            workers.append(ray.remote(EngineWorker).options(num_cpus=0.05, max_concurrency=8,
-                                                            scheduling_strategy=strategy).remote(
-                dataclasses.replace(cfg, model_path=model_path, num_engines=1), str(log_dir / f"{name}{e}"),
-                visible, "127.0.0.1", False, first % per_node, per_node))
+        # engine e on rollout engine e's first devices (round-robin), or from slot 0 with attached engines
+        firsts = [self.plan.engines[e % len(self.plan.engines)][0] if self.plan.engines else 0
+                  for e in range(cfg.num_engines)]
+        one = dataclasses.replace(cfg, model_path=model_path, num_engines=1)
+        workers = [self._engine_worker(one, first, log_dir / f"{name}{e}", False, 8) for e, first in enumerate(firsts)]
         self.engines_served += workers
         self._served[name] = [worker.address.remote() for worker in workers]
 
