@@ -140,6 +140,11 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
         load_recipe("recipes/quickstart.yaml", ["algorithm.estimator=distill"])
     with pytest.raises(ConfigError, match=r"^teacher\.engine: set with teacher\.backend=megatron"):
         load_recipe("recipes/quickstart.yaml", ["teacher.path=x", "teacher.backend=megatron", "teacher.engine.tp=2"])
+    for override, message in (("teacher.engine.host=10.0.0.1", r"^teacher\.engine\.host: '10\.0\.0\.1': set by the"),
+                              ("teacher.engine.max_restarts=1", r"^teacher\.engine\.max_restarts: 1: a served model"),
+                              ("teacher.micro_batch_tokens=100", r"^teacher\.micro_batch_tokens: 100 is the Megatron")):
+        with pytest.raises(ConfigError, match=message):
+            load_recipe("recipes/quickstart.yaml", ["teacher.path=x", override])
 
 
 @pytest.mark.slow

@@ -162,6 +162,8 @@ def test_a_judge_function_by_import_path(stand_in, chat_tokenizer):
     (["judge.labels={'good': 1}"], r"^judge\.parser: .* reads no verdict from 'good'"),
     (["judge.parser='(a)(b)'"], r"^judge\.parser: .* has 2 groups"),
     (["judge.path=", "judge.template='{response}'"], r"^judge\.path: judge settings \['template'\] without a judge"),
+    (["judge.engine.request_timeout_s=5"], r"^judge\.engine\.request_timeout_s: 5\.0 is not read for the judge: set "
+                                            r"judge\.timeout_s"),
 ])
 def test_bad_judge_settings_are_refused_by_name(overrides, message):
     from rlhf_mc.trainer.recipe import load_recipe

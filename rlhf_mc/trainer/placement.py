@@ -470,8 +470,9 @@ class Cluster:
         # engine e on rollout engine e's first devices (round-robin), or from slot 0 with attached engines
         firsts = [self.plan.engines[e % len(self.plan.engines)][0] if self.plan.engines else 0
                   for e in range(cfg.num_engines)]
-        one = dataclasses.replace(cfg, model_path=model_path, num_engines=1)
-        workers = [self._engine_worker(one, first, log_dir / f"{name}{e}", False, 8) for e, first in enumerate(firsts)]
+        workers = [self._engine_worker(dataclasses.replace(cfg, model_path=model_path, num_engines=1,
+                                                           base_port=cfg.base_port + e if cfg.base_port else 0),
+                                       first, log_dir / f"{name}{e}", False, 8) for e, first in enumerate(firsts)]
         self.engines_served += workers
         self._served[name] = [worker.address.remote() for worker in workers]
 

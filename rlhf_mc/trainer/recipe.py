@@ -221,15 +221,22 @@ class RewardSection:
             raise ConfigError(f"timeout_s: must be > 0, got {self.timeout_s}")
 
 
-def _served_engine(section: str, engine: RolloutConfig) -> None:
-    """The settings of a served model's SGLang engine (teacher, judge) that the trainer sets or that serve no purpose
-    there, refused by name."""
+def _served_engine(section: str, engine: RolloutConfig, unread: tuple[tuple[str, str], ...] = ()) -> None:
+    """The settings of a served model's SGLang engine (teacher, judge) that the trainer sets or that nothing reads
+    there (`unread`: (field, what to set instead) pairs), refused by name (relative to the section: from_dict adds it)."""
     for name in ("model_path", "return_routed_experts", "lora_adapter", "random_weights"):
         if getattr(engine, name) != getattr(RolloutConfig, name):
-            raise ConfigError(f"{section}.engine.{name}: {getattr(engine, name)!r}: the served model's engine starts "
-                              f"from {section}.path (or attaches by addresses) and serves it as it is; leave it out")
+            raise ConfigError(f"engine.{name}: {getattr(engine, name)!r}: the served model's engine starts from "
+                              f"{section}.path (or attaches by addresses) and serves it as it is; leave it out")
     if engine.host != RolloutConfig.host:
-        raise ConfigError(f"{section}.engine.host: {engine.host!r}: set by the trainer; leave it out")
+        raise ConfigError(f"engine.host: {engine.host!r}: set by the trainer; leave it out")
+    if engine.max_restarts != RolloutConfig.max_restarts:
+        raise ConfigError(f"engine.max_restarts: {engine.max_restarts}: a served model's engine is not restarted "
+                          "(a dead teacher fails the step, a dead judge's calls are scored as failures)")
+    for name, instead in unread:
+        if getattr(engine, name) != getattr(RolloutConfig, name):
+            raise ConfigError(f"engine.{name}: {getattr(engine, name)!r} is not read for the {section}: set "
+                              f"{section}.{instead}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +270,9 @@ class TeacherSection:
         if self.backend == "megatron" and self.engine != RolloutConfig():
             raise ConfigError("engine: set with teacher.backend=megatron, which runs no engine; leave it out or set "
                               "backend=engine")
+        if self.backend == "engine" and self.micro_batch_tokens != TeacherSection.micro_batch_tokens:
+            raise ConfigError(f"micro_batch_tokens: {self.micro_batch_tokens} is the Megatron teacher's "
+                              "(teacher.backend=megatron); a served teacher's engine batches by itself")
         if self.backend == "engine" and self.offload:
             raise ConfigError("offload: the Megatron teacher's (teacher.backend=megatron); a served teacher's engine "
                               "keeps its memory")
@@ -306,7 +316,8 @@ class JudgeSection:
         import re
         import string
 
-        _served_engine("judge", self.engine)
+        _served_engine("judge", self.engine, (("max_concurrency", "concurrency"),
+                                                    ("request_timeout_s", "timeout_s")))
         check_at_least(self, 1, "max_new_tokens", "concurrency")
         check_at_least(self, 0, "retries")
         if self.timeout_s <= 0:
