@@ -1,6 +1,7 @@
 """compute_log_prob (packed, micro-batched by tokens, sharded) against the single-process padded computation:
-Megatron at TP=1 on a right-padded batch with torch's full-vocabulary log_softmax, at every token (the prompt's
-too: the results are aligned with the batch's tokens, 0 at each first token). And the reference swap."""
+Megatron at TP=1 on a right-padded batch with torch's full-vocabulary log_softmax, at every response token (the
+results are aligned with the batch's tokens; the prompt's are 0: its logits are not computed). And the reference
+swap."""
 
 from __future__ import annotations
 
@@ -86,10 +87,11 @@ def test_log_prob_matches_padded_single_process(name, reference):
     ckpt, expected = reference
     parallel, world, micro_batch_tokens = LAYOUTS[name]
     for rank_result in spawn(_sharded, world, parallel, ckpt, micro_batch_tokens):  # every rank gets the results
-        for got, want, n in zip(rank_result, expected, LENGTHS):
-            assert got["logprobs"].shape == (n,) and got["logprobs"][0] == 0 and got["entropy"][0] == 0
+        for got, want, n, start in zip(rank_result, expected, LENGTHS, STARTS):
             for key in ("logprobs", "entropy"):
-                assert (got[key][1:] - want[key]).abs().max().item() < TOL, f"{name}: {key}"
+                # the response's tokens (the loss mask); the prompt's logits are not computed: 0
+                assert got[key].shape == (n,) and (got[key][:start] == 0).all(), f"{name}: {key}"
+                assert (got[key][start:] - want[key][start - 1:]).abs().max().item() < TOL, f"{name}: {key}"
 
 
 def _bf16_packed_and_padded(ckpt: str) -> tuple[list[dict], list[dict]]:
@@ -121,8 +123,9 @@ def _bf16_packed_and_padded(ckpt: str) -> tuple[list[dict], list[dict]]:
 def test_bf16_log_prob_matches_padded_bf16_model(reference):
     ckpt, _ = reference
     ((packed, padded),) = spawn(_bf16_packed_and_padded, 1, ckpt)
-    for got, want in zip(packed, padded):  # measured: <= 1.3e-3 where a pack holds several sequences, else 5e-7
-        assert (got["logprobs"][1:] - want["logprobs"]).abs().max().item() < 4e-3
+    for got, want, start in zip(packed, padded, STARTS):  # measured: <= 1.3e-3 where a pack holds several
+        # sequences, else 5e-7
+        assert (got["logprobs"][start:] - want["logprobs"][start - 1:]).abs().max().item() < 4e-3
 
 
 def _swap(ckpt: str) -> dict:
@@ -152,9 +155,10 @@ def test_reference_swap_is_exact_and_leaves_the_actor_bitwise_unchanged(referenc
     ckpt, expected = reference
     for r in spawn(_swap, 2, ckpt):
         assert r["unchanged"]
-        for got, want in zip(r["ref"], expected):
-            assert (got[1:] - want["logprobs"]).abs().max().item() < TOL
-        assert max((a[1:] - w["logprobs"]).abs().max().item() for a, w in zip(r["actor"], expected)) > 1e-3
+        for got, want, start in zip(r["ref"], expected, STARTS):
+            assert (got[start:] - want["logprobs"][start - 1:]).abs().max().item() < TOL
+        assert max((a[start:] - w["logprobs"][start - 1:]).abs().max().item()
+                   for a, w, start in zip(r["actor"], expected, STARTS)) > 1e-3
 
 
 def test_log_prob_pass_at_a_large_vocabulary_peaks_below_the_full_fp32_logits():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from rlhf_mc.config import ConfigError, ModelConfig, ParallelConfig, RouterConfig
+from rlhf_mc.models import head
 
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "full", "selective"]
@@ -253,6 +254,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, dtype: Dtype = "fl
         )
         if value_head and gpt.post_process:
             gpt.output_layer = ValueHead(config, init_weights)
+        elif gpt.post_process:
+            head.select_positions(gpt.output_layer)
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
         else:  # torch has no RMSNorm kernel on CPU (models/norm.py); on GPU its fused one, or TE's, runs

@@ -2,9 +2,10 @@
 
 A micro-batch is a dict with `tokens` [b, s] and `position_ids` [b, s] (already split for this CP rank), optionally
 `labels` [b, s] (the model then returns per-token cross-entropy instead of logits) and `packed_seq_params`
-(THD input: b == 1, boundaries of the packed sequences in cu_seqlens) and, for a mixture-of-experts model, the
-rollout engine's `routed_experts` (models/routing.py: replayed or compared, as `routing` says). Everything else in the
-dict is for `loss_fn`.
+(THD input: b == 1, boundaries of the packed sequences in cu_seqlens), `head_positions` (the positions whose
+logits are wanted: the output is then [1, k, vocab / tp] for them, models/head.py) and, for a mixture-of-experts
+model, the rollout engine's `routed_experts` (models/routing.py: replayed or compared, as `routing` says).
+Everything else in the dict is for `loss_fn`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from rlhf_mc.models import head
 from rlhf_mc.models.routing import Routing
 
 
@@ -42,8 +44,9 @@ def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn
         routed = mb.get("routed_experts") if routing is not None else None
         if routed is not None:
             routing.before_forward(chunk, routed)
-        output = chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"),
-                       packed_seq_params=mb.get("packed_seq_params"), **half_output)
+        with head.at_positions(chunk, mb.get("head_positions")):
+            output = chunk(mb["tokens"], mb["position_ids"], None, labels=mb.get("labels"),
+                           packed_seq_params=mb.get("packed_seq_params"), **half_output)
         if routed is not None:
             routing.after_forward(chunk, routed)
         return output, lambda out: loss_fn(mb, out)

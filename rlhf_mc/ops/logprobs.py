@@ -3,73 +3,104 @@
 logits: [..., vocab / tp] on each TP rank (Megatron's parallel_output); targets: [...] global token ids.
 Temperature is applied exactly as the rollout engine does: log_softmax(logits / temperature) (see
 rollout/base.py); temperature 0 means greedy there, and the raw logits here (temperature 1).
-Work is chunked over tokens so the fp32 softmax buffers stay bounded (bf16 logits are upcast and
-divided by the temperature a chunk at a time); with gradients each chunk is recomputed in backward (activation
-checkpointing) instead of keeping its buffers.
+
+One autograd function with its own backward (as Megatron's vocab-parallel cross-entropy has), over chunks of tokens
+so the fp32 buffers stay bounded (bf16 logits are upcast and divided by the temperature a chunk at a time). Forward
+keeps per token only log Z (and the entropy); backward recomputes each chunk's softmax from the saved logits into
+the gradient's own buffer: d log p(y) / dz = onehot(y) - p, d H / dz = -p (log p + H). Against torch's log_softmax
+with activation checkpointing (the softmax recomputed, its backward, the gather's zero-filled scatter) this is about
+half the passes over the [tokens, vocab] buffer, the largest of a small model's step: on SmolLM2-135M's 49k
+vocabulary (bench/grpo_step.py's profile in the note of this change).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 
-class _AllReduce(torch.autograd.Function):
-    """Sum over the TP group in forward; the gradient of a sum of replicas is the gradient itself (each rank's
-    input contributes to every rank's output, and every rank backpropagates the same upstream gradient)."""
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """(log p(target), entropy) per token of 2-D `logits`, the softmax of z = logits / temperature over a
+    vocabulary whose slice from `vocab_start` this rank holds (`group`: the ranks holding the rest; None: all of it
+    here). Every TP rank computes the same values and gets the same upstream gradient; each rank's gradient is that
+    of its own slice, so the backward needs no communication. One fp32 buffer of a chunk's size at a time, in
+    either direction (bf16 logits are upcast into it)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx, logits, targets, temperature: float, vocab_start: int, group, chunk_tokens: int,
+                with_entropy: bool):
+        n, local_vocab = logits.shape
+        logz = torch.empty(n, dtype=torch.float32, device=logits.device)
+        target_z = torch.empty_like(logz)
+        entropy = torch.empty_like(logz) if with_entropy else None
+        local_ids = targets - vocab_start
+        owned = (local_ids >= 0) & (local_ids < local_vocab)
+        local_ids = local_ids.clamp(0, local_vocab - 1)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            chunk = logits[s:e]
+            # the max only stabilizes the exponent (of the raw logits: the temperature is positive)
+            m = _all_reduce(chunk.max(dim=-1).values.float(), group, dist.ReduceOp.MAX)
+            # upcast into a buffer of its own first: an op mixing bf16 and fp32 operands casts into a temporary
+            exp = chunk.to(torch.float32, copy=True).sub_(m.unsqueeze(-1))
+            if temperature != 1.0:
+                exp.div_(temperature)
+            sum_exp = exp.exp_().sum(dim=-1)
+            picked = torch.where(owned[s:e], chunk.gather(-1, local_ids[s:e].unsqueeze(-1)).squeeze(-1).float(), 0.0)
+            sums = [sum_exp, picked]
+            if with_entropy:  # H = log Z - sum_v p_v z_v
+                sums.append(exp.mul_(chunk).sum(dim=-1))
+            sums = _all_reduce(torch.stack(sums), group)
+            logz[s:e] = m / temperature + sums[0].log()
+            target_z[s:e] = sums[1] / temperature
+            if with_entropy:
+                entropy[s:e] = logz[s:e] - sums[2] / (temperature * sums[0])
+        ctx.save_for_backward(logits, local_ids, owned, logz, entropy if with_entropy else logz)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.set_materialize_grads(False)
+        return target_z - logz, entropy
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_ids, owned, logz, entropy = ctx.saved_tensors
+        temperature, n = ctx.temperature, logits.size(0)
+        grad = torch.empty_like(logits)
+        in_place = grad.dtype == torch.float32  # fp32 logits: the gradient's own rows are the buffer
+
+        def z_of(s, e, out=None):
+            z = out if out is not None else torch.empty(e - s, logits.size(1), device=logits.device)
+            z.copy_(logits[s:e])
+            return z.div_(temperature) if temperature != 1.0 else z
+
+        for s in range(0, n, ctx.chunk_tokens):
+            e = min(s + ctx.chunk_tokens, n)
+            # d/dz = -p * c + onehot(y) * grad_logprobs, c = grad_logprobs + grad_entropy * (log p + H) per element
+            g = z_of(s, e, grad[s:e] if in_place else None).sub_(logz[s:e].unsqueeze(-1)).exp_()  # p
+            if grad_entropy is not None:
+                c = z_of(s, e).sub_((logz[s:e] - entropy[s:e]).unsqueeze(-1)).mul_(grad_entropy[s:e].unsqueeze(-1))
+                if grad_logprobs is not None:
+                    c.add_(grad_logprobs[s:e].unsqueeze(-1))
+                g.mul_(c).neg_()
+            else:
+                g.mul_(-grad_logprobs[s:e].unsqueeze(-1))
+            if grad_logprobs is not None:
+                rows = owned[s:e].nonzero().squeeze(-1)
+                g[rows, local_ids[s:e][rows]] += grad_logprobs[s:e][rows]
+            if temperature != 1.0:
+                g.div_(temperature)
+            if not in_place:
+                grad[s:e] = g
+        return grad, None, None, None, None, None, None
 
 
-def _sharded_chunk(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float, *,
-                   vocab_start: int, group):
-    """One chunk's (log-probs, entropy) where `group`'s ranks each hold a slice of the vocabulary from `vocab_start`."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    # The max only stabilizes the exponent; no gradient flows through it.
-    local_max = logits.detach().max(dim=-1).values
-    dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - local_max.unsqueeze(-1)
-    exp = shifted.exp()
-    sum_exp = _AllReduce.apply(exp.sum(dim=-1), group)
-    log_z = sum_exp.log()
-    local_ids = targets - vocab_start
-    owned = (local_ids >= 0) & (local_ids < logits.size(-1))
-    picked = shifted.gather(-1, local_ids.clamp(0, logits.size(-1) - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = _AllReduce.apply(torch.where(owned, picked, torch.zeros_like(picked)), group)
-    logprobs = target_logit - log_z
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    # H = log Z - sum_v p_v * shifted_v
-    expected = _AllReduce.apply((exp * shifted).sum(dim=-1), group) / sum_exp
-    return logprobs, log_z - expected
-
-
-def _whole_vocabulary_chunk(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, temperature: float):
-    """_sharded_chunk where this rank holds the whole vocabulary: torch's fused log_softmax (upcasting inside the
-    kernel) in place of the five passes the sharded vocabulary needs; ~3x faster at 8192 tokens x 1024 (4.2 vs 11.8
-    ms, 11 vs 32 ms with the backward, bf16 logits on 2 cores)."""
-    logp = torch.log_softmax(logits if temperature == 1.0 else logits.float() / temperature, -1, dtype=torch.float32)
-    logprobs = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    return logprobs, -(logp.exp() * logp).sum(-1)
-
-
-# fp32 elements of one chunk's buffers (logits, shifted, exp: each 1 GB): 1766 tokens of a 152k vocabulary, every
-# token of a small one at once
+# fp32 elements of one chunk's buffers (each 1 GB): 1766 tokens of a 152k vocabulary, every token of a small one at
+# once
 CHUNK_ELEMENTS = 2**28
 
 
@@ -81,21 +112,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     if temperature <= 0:
         temperature = 1.0
     chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // logits.size(-1))
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        chunk = functools.partial(_sharded_chunk, vocab_start=dist.get_rank(tp_group) * logits.size(-1),
-                                  group=tp_group)
-    else:
-        chunk = _whole_vocabulary_chunk
-    flat_logits = logits.reshape(-1, logits.size(-1))
-    flat_targets = targets.reshape(-1)
-    outs = []
-    for start in range(0, flat_targets.numel(), chunk_tokens):
-        args = (flat_logits[start:start + chunk_tokens], flat_targets[start:start + chunk_tokens], with_entropy,
-                temperature)
-        if torch.is_grad_enabled() and flat_logits.requires_grad:
-            outs.append(checkpoint(chunk, *args, use_reentrant=False))
-        else:
-            outs.append(chunk(*args))
-    logprobs = torch.cat([o[0] for o in outs]).reshape(targets.shape)
-    entropy = torch.cat([o[1] for o in outs]).reshape(targets.shape) if with_entropy else None
-    return logprobs, entropy
+    sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
+    vocab_start = dist.get_rank(tp_group) * logits.size(-1) if sharded else 0
+    logprobs, entropy = _TokenLogProbs.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), temperature,
+                                             vocab_start, tp_group if sharded else None, chunk_tokens, with_entropy)
+    return logprobs.reshape(targets.shape), entropy.reshape(targets.shape) if with_entropy else None

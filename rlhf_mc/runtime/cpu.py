@@ -99,6 +99,8 @@ class _CpuDeviceTorch(types.ModuleType):
 # the experts' token gathers outputs there (mappings.py _gather_along_first_dim and friends), and the all-to-all
 # token dispatcher makes a CUDA stream for its device-to-host copies (token_dispatcher.py cuda_dtoh_stream). YaRN
 # (DeepSeek-V3's multi-latent attention) builds and moves its frequencies on torch.cuda.current_device().
+# Sequence parallelism (TE's layers on GPU; on CPU models/head.py's test): the linear layers' backward all-gathers
+# its input into a buffer there (layers.py).
 _CUDA_DEVICE_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
@@ -112,6 +114,7 @@ _CUDA_DEVICE_MODULES = (
     "megatron.core.utils",
     "megatron.core.transformer.moe.router",
     "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )

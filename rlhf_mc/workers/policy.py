@@ -70,6 +70,54 @@ def build_microbatches(sequences: list[torch.Tensor], micro_batch_tokens: int, c
     return microbatches, groups
 
 
+def align_to_predictions(batch: Trajectories, flat: dict[str, torch.Tensor], microbatches: list[dict],
+                         groups: list[list[int]]) -> None:
+    """Puts on each micro-batch (of build_microbatches, with its sequence `groups`) every per-token field of
+    `flat` (flat over the batch's tokens) aligned to the positions whose logits predict the tokens: packed position
+    t carries token t + 1's value, 0 where no token follows; plus "segment", the packed-sequence id of each
+    position. This CP rank's part, on the device."""
+    from megatron.core import parallel_state as ps
+
+    from rlhf_mc.runtime import device
+    from rlhf_mc.runtime.context_parallel import split_for_cp
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    starts = torch.tensor(batch.offsets[:-1])
+    for mb, group in zip(microbatches, groups):
+        cu_seqlens = mb["packed"].cu_seqlens
+        cu = torch.tensor(cu_seqlens)
+        spans = cu[1:] - cu[:-1]  # padded sequences (the interleaved schedule's fillers too)
+        aligned = {"segment": torch.repeat_interleave(torch.arange(len(spans)), spans).float()}
+        # packed position cu[j] + t carries batch token starts[i] + t + 1 of sequence i = group[j], t < length - 1
+        members = torch.tensor(group, dtype=torch.long)
+        carried = batch.lengths[members] - 1
+        t = torch.arange(int(carried.sum())) - torch.repeat_interleave(torch.cumsum(carried, 0) - carried, carried)
+        to = torch.repeat_interleave(cu[:len(group)], carried) + t
+        source = torch.repeat_interleave(starts[members] + 1, carried) + t
+        for k, values in flat.items():
+            aligned[k] = torch.zeros(int(cu[-1]))
+            aligned[k][to] = values[source]
+        for k, row in aligned.items():
+            mb[k] = split_for_cp(row.unsqueeze(0), cp, cp_rank, 1, cu_seqlens).to(device())
+
+
+def head_logprobs(mb: dict, logits: torch.Tensor, tp_group, temperature: float = 1.0, with_entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(target), entropy or None) at every position of micro-batch `mb`, [s], from the model's `logits` of
+    its "head_positions" ([1, >= k, vocab / tp], models/head.py); 0 at the other positions."""
+    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+
+    positions = mb["head_positions"]
+    targets = mb["targets"][0]
+    logprobs, entropy = vocab_parallel_logprobs(logits[0, :len(positions)], targets[positions], tp_group,
+                                                temperature, with_entropy)
+
+    def everywhere(values):
+        return torch.zeros(targets.shape, dtype=values.dtype, device=values.device).index_put((positions,), values)
+
+    return everywhere(logprobs), everywhere(entropy) if with_entropy else None
+
+
 def _to(params, device):
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         value = getattr(params, name, None)
@@ -80,11 +128,13 @@ def _to(params, device):
 
 @torch.no_grad()
 def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, micro_batch_tokens: int,
-                      replay_routing: bool = False) -> dict[str, torch.Tensor]:
+                      replay_routing: bool = False, at_loss_tokens: bool = False) -> dict[str, torch.Tensor]:
     """Runs the model over packed micro-batches; `head(mb, output) -> {name: [local tokens]}` turns the model's
     output into per-token values (at position t: the value for token t + 1). Returns each value as a per-token
     tensor of the batch (data/trajectory.py's alignment: 0 at each sequence's first token), on every rank.
-    `replay_routing`: the routers take the batch's routed_experts (models/routing.py)."""
+    `replay_routing`: the routers take the batch's routed_experts (models/routing.py). `at_loss_tokens`: the model
+    projects only the positions predicting loss-mask tokens (their "head_positions"; models/head.py), and `head`
+    gives 0 elsewhere."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.runtime.context_parallel import gather_from_cp
@@ -97,6 +147,10 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp, device(),
                                               pad_multiple(chunks[0].config),
                                               batch.rows(batch.routed_experts) if replay else None)
+    if at_loss_tokens:
+        align_to_predictions(batch, {"predicted": batch.loss_mask.float()}, microbatches, groups)
+        for mb in microbatches:
+            mb["head_positions"] = (mb.pop("predicted")[0] > 0).nonzero().squeeze(-1)
     cp_group = ps.get_context_parallel_group()
 
     def per_token(mb, output):
@@ -129,19 +183,17 @@ def compute_log_prob(chunks: list[torch.nn.Module], batch: Trajectories, tempera
                      with_entropy: bool = False, micro_batch_tokens: int = 8192, replay_routing: bool = False
                      ) -> dict[str, torch.Tensor]:
     """Per token of the batch, "logprobs" (and "entropy" of the distribution it was drawn from): log p(token_t |
-    tokens_<t) with logits / temperature (rollout/base.py semantics)."""
+    tokens_<t) with logits / temperature (rollout/base.py semantics), at the loss-mask tokens (0 at the others:
+    the prompt's logits are not computed)."""
     from megatron.core import parallel_state as ps
-
-    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
 
     tp_group = ps.get_tensor_model_parallel_group()
 
     def head(mb, logits):
-        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
-                                                    with_entropy=with_entropy)
+        logprobs, entropy = head_logprobs(mb, logits, tp_group, temperature, with_entropy)
         return {"logprobs": logprobs, **({"entropy": entropy} if with_entropy else {})}
 
-    return forward_per_token(chunks, batch, head, micro_batch_tokens, replay_routing)
+    return forward_per_token(chunks, batch, head, micro_batch_tokens, replay_routing, at_loss_tokens=True)
 
 
 def compute_values(chunks: list[torch.nn.Module], batch: Trajectories, micro_batch_tokens: int = 8192

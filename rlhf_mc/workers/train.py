@@ -40,12 +40,12 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
                           norm_length: int = 1, with_routing: bool = False) -> list[dict]:
     """Packed micro-batches (this CP rank's part) carrying, besides the tokens, each per-token field of the batch
     plus the aggregation "weight" and the packed-sequence id "segment", aligned to the positions whose logits
-    predict the tokens (position t carries the values of token t + 1), 0 outside the loss mask."""
+    predict the tokens (position t carries the values of token t + 1), 0 outside the loss mask, and the
+    "head_positions" inside it."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.runtime.context_parallel import split_for_cp
     from rlhf_mc.runtime import device
-    from rlhf_mc.workers.policy import build_microbatches, pad_multiple
+    from rlhf_mc.workers.policy import align_to_predictions, build_microbatches, pad_multiple
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     lengths = batch.sampled_tokens().tolist()
@@ -60,23 +60,9 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
     routed = batch.rows(batch.routed_experts) if with_routing else None
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp,
                                               device(), pad_multiple(config), routed)
-    starts = torch.tensor(batch.offsets[:-1])
-    for mb, group in zip(microbatches, groups):
-        cu_seqlens = mb["packed"].cu_seqlens
-        cu = torch.tensor(cu_seqlens)
-        spans = cu[1:] - cu[:-1]  # padded sequences (the interleaved schedule's fillers too)
-        aligned = {"segment": torch.repeat_interleave(torch.arange(len(spans)), spans).float()}
-        # packed position cu[j] + t carries batch token starts[i] + t + 1 of sequence i = group[j], t < length - 1
-        members = torch.tensor(group, dtype=torch.long)
-        carried = batch.lengths[members] - 1
-        t = torch.arange(int(carried.sum())) - torch.repeat_interleave(torch.cumsum(carried, 0) - carried, carried)
-        to = torch.repeat_interleave(cu[:len(group)], carried) + t
-        source = torch.repeat_interleave(starts[members] + 1, carried) + t
-        for k, values in flat.items():
-            aligned[k] = torch.zeros(int(cu[-1]))
-            aligned[k][to] = values[source]
-        for k, row in aligned.items():
-            mb[k] = split_for_cp(row.unsqueeze(0), cp, cp_rank, 1, cu_seqlens).to(device())
+    align_to_predictions(batch, flat, microbatches, groups)
+    for mb in microbatches:  # the logits of the trained tokens only (models/head.py)
+        mb["head_positions"] = (mb["weight"][0] > 0).nonzero().squeeze(-1)
     return microbatches
 
 
@@ -153,7 +139,7 @@ def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, te
     trainer's own ("router/engine_agreement"; under the rollout's weights in an on-policy step)."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+    from rlhf_mc.workers.policy import head_logprobs
 
     routing = Routing(replay=replay_routing) if batch.routed_experts is not None else None
     microbatches = _aligned_microbatches(batch, cfg.aggregation, micro_batch_tokens, config=state.model[0].config,
@@ -163,8 +149,7 @@ def train_step(state: TrainState, batch: Trajectories, cfg: PolicyLossConfig, te
     on_policy = "old_logprobs" not in batch.fields
 
     def loss_fn(mb, logits):
-        logprobs, entropy = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group, temperature,
-                                                    with_entropy=cfg.entropy_coef > 0 or on_policy)
+        logprobs, entropy = head_logprobs(mb, logits, tp_group, temperature, cfg.entropy_coef > 0 or on_policy)
         logprobs, w = logprobs.unsqueeze(0), mb["weight"]
         mask = w > 0
         old = logprobs.detach() if on_policy else mb["old_logprobs"]
@@ -232,14 +217,14 @@ def sft_step(state: TrainState, batch: Trajectories, micro_batch_tokens: int = 8
     """Supervised step: token-mean negative log-likelihood of the loss-mask tokens over the whole mini-batch."""
     from megatron.core import parallel_state as ps
 
-    from rlhf_mc.ops.logprobs import vocab_parallel_logprobs
+    from rlhf_mc.workers.policy import head_logprobs
 
     microbatches = _aligned_microbatches(batch, "token-mean", micro_batch_tokens, config=state.model[0].config,
                                          interleaved=len(state.model) > 1)
     tp_group = ps.get_tensor_model_parallel_group()
 
     def loss_fn(mb, logits):
-        logprobs, _ = vocab_parallel_logprobs(logits[0], mb["targets"][0], tp_group)
+        logprobs, _ = head_logprobs(mb, logits, tp_group)
         w = mb["weight"][0]
         loss = -(logprobs * w).sum()
         return loss, {"sft_loss": loss.detach(), "tokens": (w > 0).sum().float()}
