@@ -75,3 +75,26 @@ def test_packed_attention_matches_each_sequence_alone(dtype, tolerance):
 def test_packed_attention_without_gradients_matches_each_sequence_alone(dtype, tolerance):
     (errors,) = spawn(_packed_vs_alone, 1, dtype, KERNEL_LENGTHS, False)
     assert max(errors) < tolerance, errors
+
+
+def test_te_specs_of_fp32_models_take_our_core_attention(monkeypatch):
+    """Transformer Engine has no attention backend for fp32 with packed (THD) input: an fp32 model with TE's layer
+    spec takes our core attention, a bf16 one keeps TE's. TE does not import here: its spec is stood in for by
+    Megatron's local one, whose core attention (DotProductAttention) plays TE's."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from rlhf_mc.models.attention import LocalCoreAttention
+    from rlhf_mc.models.gpt import layer_spec
+
+    stand_in = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=MODEL.qk_norm, normalization="RMSNorm")
+    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", lambda qk_layernorm: stand_in)
+
+    def core_attention(spec):
+        return spec.submodules.self_attention.submodules.core_attention
+
+    assert core_attention(layer_spec(MODEL, True, SimpleNamespace(bf16=False, fp16=False), None)) is LocalCoreAttention
+    assert core_attention(layer_spec(MODEL, True, SimpleNamespace(bf16=True, fp16=False), None)) is DotProductAttention
+    assert core_attention(layer_spec(MODEL, False, SimpleNamespace(bf16=True, fp16=False), None)) is LocalCoreAttention

@@ -375,6 +375,22 @@ def test_a_cluster_short_of_devices_is_refused_at_once():
         check_cluster_holds(2, {"CPU": 1}, {"CPU": 1.0})
 
 
+def test_slots_follow_node_ip_then_gpu_id_and_gpu_uuids_are_kept():
+    """Hand-ordered: bundles by node IP (numerically: 10.0.0.9 before 10.0.0.10), then GPU id (numerically: 2
+    before 10); Ray may give GPU ids as UUIDs (int() crashed on them), which sort after the numbers, and are passed
+    on as they are. Workers that Ray leaves without CUDA_VISIBLE_DEVICES would all take GPU 0: refused."""
+    from rlhf_mc.trainer.placement import check_visible_devices_set, order_slots
+
+    found = [("b", "10.0.0.10", "0"), ("a", "10.0.0.9", "10"), ("a", "10.0.0.9", "2"),
+             ("c", "10.0.0.11", "GPU-5e1a"), ("c", "10.0.0.11", "GPU-0b7c")]
+    assert order_slots(found) == [2, 1, 0, 4, 3]
+    assert order_slots([("a", "127.0.0.1", None), ("a", "127.0.0.1", None)]) == [0, 1]  # CPU slots: as placed
+    check_visible_devices_set([None, "0", ""])
+    with pytest.raises(ConfigError, match=r"^resources: the Ray workers have "
+                                          r"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, so Ray does not set"):
+        check_visible_devices_set([None, "1"])
+
+
 def test_placed_groups_must_lie_on_one_node():
     """After Ray placed the bundles (sorted by node): 16 devices as 8 + 8 keep every TP=4 group and TP=2 engine of
     the DAPO recipe on one node; nodes of 6 and 10 GPUs split the second TP group and the third engine, refused."""

@@ -501,3 +501,22 @@ def test_a_tp1_servers_scheduler_is_forked_not_spawned(sglang_engine):
     log = (sglang_engine.log_dir / "sglang_engine0.log").read_text(errors="replace")
     starts = log.count("server_args=")
     assert starts >= 1 and log.count("support AWQ currently") == 2 * starts, log[-3000:]
+
+
+def test_gpu_servers_take_the_gpus_of_their_slots(monkeypatch, tmp_path):
+    """On GPU each server's TP ranks start at the first GPU of its slots (--base-gpu-id): two TP=2 engines of one
+    SGLangEngine on GPUs 0-1 and 2-3 (without it both took 0-1); the CPU command has no such flag (its slots are
+    cores)."""
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout import cpu
+    from rlhf_mc.rollout.sglang_server import ServerProcess
+
+    cfg = RolloutConfig(model_path="m", tp=2, num_engines=2)
+
+    def base_gpu(slots: range) -> str | None:
+        cmd = ServerProcess(1, cfg, 30000, tmp_path, False, slots, 4).command()
+        return cmd[cmd.index("--base-gpu-id") + 1] if "--base-gpu-id" in cmd else None
+
+    assert base_gpu(range(2, 4)) is None  # on CPU
+    monkeypatch.setattr(cpu, "on_cpu", lambda: False)
+    assert [base_gpu(range(0, 2)), base_gpu(range(2, 4))] == ["0", "2"]

@@ -16,6 +16,7 @@ import base64
 import os
 import pickletools
 import re
+from pathlib import Path
 
 import psutil
 import pytest
@@ -72,15 +73,15 @@ def _actor(model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
     it paused and its next generate waiting)."""
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
-    load = SGLangEngine.load_tensor_payloads
+    load, from_disk = SGLangEngine.load_tensor_payloads, SGLangEngine.update_weights_from_disk
     try:
-        return _recorded_actor(load, model_dir, engines, transport, export_dir, parallel)
+        return _recorded_actor(load, from_disk, model_dir, engines, transport, export_dir, parallel)
     finally:
-        SGLangEngine.load_tensor_payloads = load
+        SGLangEngine.load_tensor_payloads, SGLangEngine.update_weights_from_disk = load, from_disk
 
 
-def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], transport: str, export_dir: str,
-                    parallel: ParallelConfig) -> dict | None:
+def _recorded_actor(load, from_disk, model_dir: str, engines: list[tuple[str, list[int]]], transport: str,
+                    export_dir: str, parallel: ParallelConfig) -> dict | None:
     from rlhf_mc.bridge.hf_config import model_config_from_hf, read_hf_config
     from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
     from rlhf_mc.bridge.weights import export_hf_weights, load_hf_weights
@@ -104,7 +105,14 @@ def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], 
         files.update(*(shared_files(p) for p in payloads))
         return load(self, engine, payloads, *labels, **named_labels)
 
+    disk_paths: list[str] = []  # the checkpoints the disk transport had the engines read
+
+    def recording_disk(self, path, *args, **kwargs):
+        disk_paths.append(path)
+        return from_disk(self, path, *args, **kwargs)
+
     SGLangEngine.load_tensor_payloads = recording
+    SGLangEngine.update_weights_from_disk = recording_disk
     init_parallel(parallel, seed=3)
     model = model_config_from_hf(read_hf_config(model_dir))
     chunks = build_model(model, parallel, init_weights=False)
@@ -115,7 +123,7 @@ def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], 
     clients = [SGLangEngine(RolloutConfig(addresses=(a,))) for a in addresses] if rank == 0 else []
     engine_ranks = [ranks for _, ranks in engines]
     sink = ColocatedTensors(addresses, engine_ranks) if transport == "per device" else \
-        connect(transport, addresses, engine_ranks, config_from=model_dir)
+        connect(transport, addresses, engine_ranks, config_from=model_dir, staging_dir=export_dir + "_staging")
     sync = WeightSync(chunks, model, sink, bucket_bytes=20_000)
     steps = []
     for version in range(1, STEPS + 1):
@@ -136,7 +144,8 @@ def _recorded_actor(load, model_dir: str, engines: list[tuple[str, list[int]]], 
         sync.sync(chunks, version)
         rss.append(psutil.Process().memory_info().rss / 2**20)
     exported = list(pair for bucket in export_hf_weights(chunks, sync.plan, model) for pair in bucket)
-    out = {"pid": os.getpid(), "received": received, "files": files, "steps": steps, "rss_mb": rss,
+    out = {"pid": os.getpid(), "received": received, "files": files, "disk_paths": disk_paths, "steps": steps,
+           "rss_mb": rss,
            "transport": type(sync.transport).__name__}
     if rank == 0:
         from pathlib import Path
@@ -264,6 +273,11 @@ def test_a_dead_engine_fails_its_sync_and_is_synced_after_its_restart(sglang_eng
 def test_sync_follows_every_update(transport, engine_tp, request, tiny_hf_model, tmp_path):
     engine = request.getfixturevalue("sglang_engine" if engine_tp == 1 else "engine_tp2")
     results = _run([(engine, list(range(engine_tp)))], transport, tiny_hf_model, tmp_path)
+    if transport == "disk":  # each sync's checkpoint staged where the run said (the run folder), then removed
+        paths = [Path(p) for p in results[0]["disk_paths"]]
+        staging = {p.parent for p in paths}
+        assert len(paths) == STEPS + REPEATS and len(staging) == 1 and staging.pop().name.endswith("_staging")
+        assert not any(p.exists() for p in paths)
     if transport == "tensor":  # on CPU: one staging, made by rank 0, carries every bucket of every sync
         assert [r["transport"] for r in results] == ["SharedStaging"] * 4
         buckets = results[0]["steps"][0]["stats"].buckets

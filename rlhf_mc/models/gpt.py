@@ -180,22 +180,26 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, dtype: Dtyp
 
 def layer_spec(model: ModelConfig, use_te: bool, config, vp_stage: int | None):
     """A dense model's layer spec; a mixture-of-experts model's block spec for this pipeline stage (its layers may
-    be dense or MoE: config.moe_layer_freq). Local specs get our core attention."""
+    be dense or MoE: config.moe_layer_freq). Local specs get our core attention, and so do TE specs of an fp32
+    model: TE has no attention backend for fp32 with packed (THD) input (its unfused attention refuses THD, its
+    flash and fused ones fp32), so such a model would fail at its first forward."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    local_attention = not use_te or not (config.bf16 or config.fp16)
     if model.num_experts:
         from megatron.core import parallel_state
 
         block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_te, normalization="RMSNorm", vp_stage=vp_stage,
             pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-        if use_te:
+        if not local_attention:
             return block
         return dataclasses.replace(block, layer_specs=[_local_attention(s) for s in block.layer_specs])
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
-    return _local_attention(gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm,
-                                                                     normalization="RMSNorm"))
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+    return _local_attention(spec) if local_attention else spec
 
 
 def _local_attention(spec):

@@ -67,8 +67,9 @@ class ServerProcess:
     def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path, memory_saver: bool, slots: range,
                  slots_on_host: int):
         """`memory_saver`: SGLang's --enable-memory-saver, which makes release_memory_occupation free GPU memory
-        (torch_memory_saver, CUDA only; on CPU a release frees nothing and the flag is left out). On CPU the server's
-        TP ranks sit on device `slots` of the `slots_on_host` on this machine, each slot a share of its cores."""
+        (torch_memory_saver, CUDA only; on CPU a release frees nothing and the flag is left out). The server's TP
+        ranks sit on device `slots` of the `slots_on_host` on this machine: on CPU each slot a share of its cores,
+        on GPU the visible GPUs of those indices."""
         self.index, self.cfg, self.port, self.memory_saver = index, cfg, port, memory_saver
         self.slots, self.slots_on_host = slots, slots_on_host
         self.url = f"http://{cfg.host}:{port}"
@@ -105,6 +106,8 @@ class ServerProcess:
         if cpu.on_cpu():
             cmd += cpu.server_args(cfg.max_total_tokens, cfg.mem_fraction_static)
         else:
+            # its TP ranks on the visible GPUs `slots`: without it every engine of a machine takes GPUs 0..tp-1
+            cmd += ["--base-gpu-id", str(self.slots.start)]
             if cfg.max_total_tokens is not None:
                 cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
             if cfg.mem_fraction_static is not None:

@@ -286,16 +286,20 @@ class Broadcast(_FromRankZero):
 
 
 class Disk(_FromRankZero):
-    def __init__(self, addresses: list[str], config_from: str):
+    def __init__(self, addresses: list[str], config_from: str, staging_dir: str | None = None):
         """`config_from`: an HF checkpoint dir whose config.json (and generation_config.json) go with the
-        weights."""
+        weights. `staging_dir`: where each sync's checkpoint is written for the engines to read, a folder they
+        see too (the run folder's, on a cluster's shared filesystem; default: this machine's temp dir)."""
         super().__init__(addresses)
         self.config_from = Path(config_from)
+        self.staging_dir = staging_dir
+        if staging_dir is not None:
+            Path(staging_dir).mkdir(parents=True, exist_ok=True)
 
     def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
         from rlhf_mc.bridge.safetensors_io import write_hf_checkpoint
 
-        with tempfile.TemporaryDirectory(prefix="rlhf_mc_sync_") as tmp:
+        with tempfile.TemporaryDirectory(prefix="rlhf_mc_sync_", dir=self.staging_dir) as tmp:
             write_hf_checkpoint((pair for bucket in buckets for pair in bucket), Path(tmp))
             for name in ("config.json", "generation_config.json"):
                 if (self.config_from / name).is_file():
@@ -340,11 +344,12 @@ class AdapterTensors:
 
 
 def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | None = None,
-            master_address: str = "127.0.0.1", config_from: str | None = None, adapter: LoraConfig | None = None):
+            master_address: str = "127.0.0.1", config_from: str | None = None, adapter: LoraConfig | None = None,
+            staging_dir: str | None = None):
     """The transport `kind` ("tensor" | "distributed" | "disk" | "adapter") to the engines at `addresses`;
     collective over the actor's ranks. "tensor" needs `engine_ranks` (colocated placement), "disk" and "adapter"
-    `config_from` (the base model's HF checkpoint), "adapter" the actor's LoRA `adapter`. On CPU with every actor
-    rank on one host, "tensor" is SharedStaging."""
+    `config_from` (the base model's HF checkpoint), "adapter" the actor's LoRA `adapter`; "disk" writes under
+    `staging_dir` (Disk). On CPU with every actor rank on one host, "tensor" is SharedStaging."""
     if kind == "adapter":
         return AdapterTensors(addresses, adapter, config_from)
     if kind == "tensor":
@@ -361,5 +366,5 @@ def connect(kind: str, addresses: list[str], engine_ranks: list[list[int]] | Non
     if kind == "disk":
         if config_from is None:
             raise ValueError("the disk transport needs config_from: the HF checkpoint whose config goes along")
-        return Disk(addresses, config_from)
+        return Disk(addresses, config_from, staging_dir)
     raise ValueError(f"rollout.sync_transport: unknown transport {kind!r}")

@@ -146,8 +146,8 @@ class WorkerGroup:
         self._call("reload", part)
 
     def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
-                        engine_ranks: list[list[int]] | None, config_from: str) -> None:
-        self._call("connect_engines", addresses, transport, bucket_bytes, engine_ranks, config_from)
+                        engine_ranks: list[list[int]] | None, config_from: str, staging_dir: str) -> None:
+        self._call("connect_engines", addresses, transport, bucket_bytes, engine_ranks, config_from, staging_dir)
 
     def reconnect_engines(self) -> None:
         self._call("reconnect_engines")
@@ -250,8 +250,9 @@ class EngineWorker:
         from rlhf_mc.runtime import console
 
         console.output_to(Path(log_dir) / "engine_worker.log")
-        if visible_devices is not None:
+        if visible_devices is not None:  # its own GPUs alone are visible: its slots are 0 .. tp - 1 of them
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+            first_slot, slots_on_host = 0, cfg.tp
         self.engine = SGLangEngine(dataclasses.replace(cfg, num_engines=1, host=host), log_dir=log_dir,
                                    memory_saver=colocated, first_slot=first_slot, slots_on_host=slots_on_host)
         self.engine.on_restart = self._on_restart
@@ -314,6 +315,30 @@ class EngineWorker:
         return getattr(self.engine, method)(*args)
 
 
+# Ray leaves CUDA_VISIBLE_DEVICES unset in its workers when this is 1: every rank of a node then sees all its GPUs and
+# takes GPU 0
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def check_visible_devices_set(noset: list[str | None]) -> None:
+    """Refuses a GPU run whose Ray workers (`noset`: each one's NOSET_VISIBLE_DEVICES) are not given their GPUs."""
+    if any(v not in (None, "", "0") for v in noset):
+        raise ConfigError(f"resources: the Ray workers have {NOSET_VISIBLE_DEVICES}=1, so Ray does not set "
+                          "CUDA_VISIBLE_DEVICES and every rank of a node would use GPU 0; unset it where Ray starts")
+
+
+def order_slots(found: list[tuple[str, str, str | None]]) -> list[int]:
+    """Bundle indices sorted by (node IP, node id, GPU id) from each bundle's (node id, IP, GPU id): numeric parts
+    of the IP and numeric GPU ids as numbers; a GPU id Ray gives as a UUID (GPU-...), as text after the numbers."""
+    def key(b: int):
+        node, ip, gpu = found[b]
+        address = tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in ip.replace(":", ".").split("."))
+        device = (0, int(gpu), "") if gpu is not None and gpu.isdigit() else (1, 0, gpu or "")
+        return address, node, device, b
+
+    return sorted(range(len(found)), key=key)
+
+
 def check_private(host: str) -> None:
     """An engine that accepts LoRA adapters listens on loopback or a private network only."""
     import ipaddress
@@ -362,27 +387,24 @@ class Cluster:
         self._served: dict[str, list] = {}  # their addresses (or Ray references to them), by name
         self.groups: list[WorkerGroup] = []
 
-    def _order_bundles(self) -> tuple[list[int], list[str], list[str], list[int | None]]:
+    def _order_bundles(self) -> tuple[list[int], list[str], list[str], list[str | None]]:
         """Bundles sorted by (node IP, node, GPU id), as slime does: slot d -> bundle, Ray node id, node IP, GPU."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         def where():
             ids = ray.get_gpu_ids()
-            return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), \
-                int(ids[0]) if ids else None
+            return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                    str(ids[0]) if ids else None, os.environ.get(NOSET_VISIBLE_DEVICES))
 
         probe = ray.remote(where)
         found = ray.get([probe.options(num_cpus=0, num_gpus=0.01 if self.gpu else 0,
                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
                                            placement_group=self.pg, placement_group_bundle_index=b)).remote()
                          for b in range(self.plan.devices)])
-
-        def key(b: int):
-            node, ip, gpu = found[b]
-            return tuple(int(x) if x.isdigit() else x for x in ip.replace(":", ".").split(".")), node, gpu or 0, b
-
-        order = sorted(range(self.plan.devices), key=key)
+        if self.gpu:
+            check_visible_devices_set([noset for *_, noset in found])
+        order = order_slots([row[:3] for row in found])
         return order, *([found[b][i] for b in order] for i in range(3))
 
     def bundle_nodes(self) -> dict[int, str]:

@@ -227,17 +227,17 @@ class ModelWorker:
     # ------------------------------------------------------------ weight sync
 
     def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
-                        engine_ranks: list[list[int]] | None, config_from: str) -> None:
-        """The weight sync to the engines at `addresses` (sync/transports.py; collective over the group)."""
+                        engine_ranks: list[list[int]] | None, config_from: str, staging_dir: str) -> None:
+        """The weight sync to the engines at `addresses` (sync/transports.py; collective over the group);
+        `staging_dir`: the disk transport's (the run folder's)."""
         from rlhf_mc.sync.transports import connect
         from rlhf_mc.sync.weights import WeightSync
 
         master = node_ip() if transport == "distributed" else "127.0.0.1"
         # LoRA: the adapter ("adapter"), or the adapted layers alone, merged (the rest is the frozen base the
         # engines hold)
-        self.weight_sync = WeightSync(self.chunks, self.model, connect(transport, addresses, engine_ranks, master,
-                                                                       config_from, self.lora), bucket_bytes,
-                                      adapted_only=self.lora.enabled)
+        sink = connect(transport, addresses, engine_ranks, master, config_from, self.lora, staging_dir)
+        self.weight_sync = WeightSync(self.chunks, self.model, sink, bucket_bytes, adapted_only=self.lora.enabled)
 
     def exit(self) -> None:
         """Ends this worker: removes the shared-memory files it made (the weight sync's CPU staging), which a kill
