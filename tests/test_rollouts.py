@@ -71,6 +71,21 @@ def test_dynamic_sampling_with_a_custom_filter_drops_groups_and_refills():
     assert batch.fields["rollout_logprobs"].tolist() == [0.0, 0.0, -0.5, 0.0] * 4
 
 
+def keep_none(scores: list[float]) -> bool:
+    return False
+
+
+def test_dynamic_sampling_that_runs_out_of_rounds_says_so():
+    """A group filter that keeps nothing: after the recipe's rounds the step fails with what was kept and dropped
+    (before: one more end-to-end launch, tests/test_trainer.py's DAPO test)."""
+    manager = _manager(["algorithm.dynamic_sampling_max_rounds=2",
+                        "algorithm.group_filter=tests.test_rollouts:keep_none"])
+    with pytest.raises(RuntimeError, match=r"^algorithm.dynamic_sampling_max_rounds: after 2 rounds only 0 of "
+                                           r"data.train_batch_size=2 prompts had groups the group filter kept \(4 "
+                                           r"groups dropped\)"):
+        manager.sample(_prompts("0,1", "5,5"), SamplingParams(n=2), 0, lambda r: _prompts("1,1", "2,2"), Timer())
+
+
 def test_function_kwargs_reach_the_rollout_function_and_stale_or_empty_samples_are_caught():
     stale = _manager(["rollout.function_kwargs={version: 3}"])
     with pytest.raises(StaleWeights, match="weight versions \\[3\\], expected 0"):
