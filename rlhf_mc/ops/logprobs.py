@@ -9,8 +9,8 @@ so the fp32 buffers stay bounded (bf16 logits are upcast and divided by the temp
 keeps per token only log Z (and the entropy); backward recomputes each chunk's softmax from the saved logits into
 the gradient's own buffer: d log p(y) / dz = onehot(y) - p, d H / dz = -p (log p + H). Against torch's log_softmax
 with activation checkpointing (the softmax recomputed, its backward, the gather's zero-filled scatter) this is about
-half the passes over the [tokens, vocab] buffer, the largest of a small model's step: on SmolLM2-135M's 49k
-vocabulary (bench/grpo_step.py's profile in the note of this change).
+half the passes over the [tokens, vocab] buffer, the largest of a small model's step (SmolLM2-135M's 49k vocabulary:
+bench/update_step.py --profile; docs/benchmarks.md).
 """
 
 from __future__ import annotations
