@@ -4,8 +4,10 @@ micro-batched by tokens) vs (a) a per-sequence transformers loop, (b) one padded
 (c) transformers on length-sorted padded batches of 8 (what a careful transformers user does), in a plain process,
 and (d) the same in a process started as rlhf_mc starts its ranks (on an AMD CPU, MKL's AVX-512 kernels,
 runtime/host.py: how much of the ratio to (c) is the kernels and how much the rest). Each runs in its own process,
-measured for time and peak RSS; ours after a warm-up pass over a few sequences, timed apart (on CPU the first large
-forward compiles the element-wise kernels, once a process). Ours and the length-sorted batches: the median of
+measured for time and peak RSS; each after a warm-up pass over a few sequences (ours timed apart: on CPU the first
+large forward compiles the element-wise kernels, once a process). Every side computes the logits of the positions
+that predict response tokens only (ours: models/head.py; transformers: logits_to_keep, as TRL does), so none
+pays for the prompts' vocabulary projection; the ratio to report is to (d), the same environment as ours. Ours and the length-sorted batches: the median of
 --repeats passes in their process (single passes spread by ~20% run to run on a shared VM), the other two one pass;
 with --rounds R ours and (c) and (d) run in turn R times, their ratios the medians of the rounds' (a process's figure
 moves with the VM's drift: (c) read 9.8-12.3 s in single runs of one day).
@@ -107,22 +109,31 @@ def hf_loop(model_dir: str, n: int, dtype: str) -> float:
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = workload(n)
-    start = time.perf_counter()
+
+    def one(s):  # the response's logits only (logits_to_keep: every position from the prompt's last)
+        logits = model(s.unsqueeze(0), logits_to_keep=len(s) - PROMPT + 1).logits[0, :-1]
+        torch.log_softmax(logits.float(), -1).gather(-1, s[PROMPT:, None])
+
     with torch.no_grad():
+        for s in seqs[:WARMUP]:  # warm-up, as ours has
+            one(s)
+        start = time.perf_counter()
         for s in seqs:
-            logits = model(s.unsqueeze(0)).logits[0, PROMPT - 1:-1]
-            torch.log_softmax(logits.float(), -1).gather(-1, s[PROMPT:, None])
+            one(s)
     return time.perf_counter() - start
 
 
 def padded_logprobs(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One right-padded transformers forward over `seqs`: each response's log-probs."""
+    """One right-padded transformers forward over `seqs`: each response's log-probs. The logits of the positions
+    from the prompts' last on only (logits_to_keep, as TRL computes them; every prompt is PROMPT tokens), not of
+    the prompts: the softmax still passes over the padding after the shorter responses, which a batch has."""
     tokens = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)
     mask = torch.zeros_like(tokens)
     for i, s in enumerate(seqs):
         tokens[i, :len(s)], mask[i, :len(s)] = s, 1
-    logp = torch.log_softmax(model(tokens, attention_mask=mask).logits.float(), -1)
-    return [logp[i, PROMPT - 1:len(s) - 1].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
+    logits = model(tokens, attention_mask=mask, logits_to_keep=tokens.size(1) - PROMPT + 1).logits
+    logp = torch.log_softmax(logits.float(), -1)  # position j: PROMPT - 1 + j
+    return [logp[i, :len(s) - PROMPT].gather(-1, s[PROMPT:, None]) for i, s in enumerate(seqs)]
 
 
 def hf_padded(model_dir: str, n: int, dtype: str) -> float:
@@ -130,8 +141,9 @@ def hf_padded(model_dir: str, n: int, dtype: str) -> float:
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = workload(n)
-    start = time.perf_counter()
     with torch.no_grad():
+        padded_logprobs(model, seqs[:WARMUP])  # warm-up, as ours has
+        start = time.perf_counter()
         padded_logprobs(model, seqs)
     return time.perf_counter() - start
 
@@ -141,6 +153,8 @@ def hf_sorted_batches(model_dir: str, n: int, dtype: str, repeats: int, batch: i
 
     model = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     seqs = sorted(workload(n), key=len, reverse=True)
+    with torch.no_grad():
+        padded_logprobs(model, seqs[:batch])  # warm-up, as ours has
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
