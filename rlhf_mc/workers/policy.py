@@ -75,7 +75,8 @@ def align_to_predictions(batch: Trajectories, flat: dict[str, torch.Tensor], mic
     """Puts on each micro-batch (of build_microbatches, with its sequence `groups`) every per-token field of
     `flat` (flat over the batch's tokens) aligned to the positions whose logits predict the tokens: packed position
     t carries token t + 1's value, 0 where no token follows; plus "segment", the packed-sequence id of each
-    position. This CP rank's part, on the device."""
+    position, and "head_positions", the positions that predict a loss-mask token (the only logits a policy's
+    losses and log-probs need: models/head.py). This CP rank's part, on the device."""
     from megatron.core import parallel_state as ps
 
     from rlhf_mc.runtime import device
@@ -94,11 +95,12 @@ def align_to_predictions(batch: Trajectories, flat: dict[str, torch.Tensor], mic
         t = torch.arange(int(carried.sum())) - torch.repeat_interleave(torch.cumsum(carried, 0) - carried, carried)
         to = torch.repeat_interleave(cu[:len(group)], carried) + t
         source = torch.repeat_interleave(starts[members] + 1, carried) + t
-        for k, values in flat.items():
+        for k, values in {**flat, "predicted": batch.loss_mask.float()}.items():
             aligned[k] = torch.zeros(int(cu[-1]))
             aligned[k][to] = values[source]
         for k, row in aligned.items():
             mb[k] = split_for_cp(row.unsqueeze(0), cp, cp_rank, 1, cu_seqlens).to(device())
+        mb["head_positions"] = (mb.pop("predicted")[0] > 0).nonzero().squeeze(-1)
 
 
 def head_logprobs(mb: dict, logits: torch.Tensor, tp_group, temperature: float = 1.0, with_entropy: bool = False
@@ -148,9 +150,7 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: Trajectories, head, 
                                               pad_multiple(chunks[0].config),
                                               batch.rows(batch.routed_experts) if replay else None)
     if at_loss_tokens:
-        align_to_predictions(batch, {"predicted": batch.loss_mask.float()}, microbatches, groups)
-        for mb in microbatches:
-            mb["head_positions"] = (mb.pop("predicted")[0] > 0).nonzero().squeeze(-1)
+        align_to_predictions(batch, {}, microbatches, groups)
     cp_group = ps.get_context_parallel_group()
 
     def per_token(mb, output):

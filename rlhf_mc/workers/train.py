@@ -61,8 +61,6 @@ def _aligned_microbatches(batch: Trajectories, aggregation: str, micro_batch_tok
     microbatches, groups = build_microbatches(batch.rows(), micro_batch_tokens, cp, cp_rank, interleaved_pp,
                                               device(), pad_multiple(config), routed)
     align_to_predictions(batch, flat, microbatches, groups)
-    for mb in microbatches:  # the logits of the trained tokens only (models/head.py)
-        mb["head_positions"] = (mb["weight"][0] > 0).nonzero().squeeze(-1)
     return microbatches
 
 
