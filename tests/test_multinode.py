@@ -21,7 +21,9 @@ from rlhf_mc.runtime.spawn import free_port
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
 # Ray 2.60 turns on token authentication by default; the rehearsal's nodes talk over loopback only.
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+       # a head node told to stop drains for 30 s by default (Ray 2.60), waiting for work nobody left running
+       "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def _node(args: list[str], log: Path) -> subprocess.Popen:

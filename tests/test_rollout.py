@@ -60,6 +60,18 @@ def test_greedy_generation_and_logprobs_equal_transformers(sglang_engine, tiny_h
     _assert_greedy_matches(sglang_engine, _hf(tiny_hf_model), LAUNCH_VERSION)
 
 
+def test_a_server_imports_only_the_model_classes_we_serve(sglang_engine):
+    """rollout/sglang_models lists a class for every causal-LM architecture the bridge maps, and a server started by
+    us imports those alone (SGLang logs every default model module it tries and fails to import; without the
+    package it tries all ~200), and no Megatron-Core (on CPU; its debug dumper would import it)."""
+    from rlhf_mc.bridge.hf_config import ARCHITECTURES
+    from rlhf_mc.rollout.sglang_models.served import EntryClass
+
+    assert sorted(c.__name__ for c in EntryClass) == sorted(a for a in ARCHITECTURES if a.endswith("ForCausalLM"))
+    log = sglang_engine.servers[0].log_path.read_text(errors="replace")
+    assert "Ignore import error when loading sglang.srt.models." not in log and "Megatron" not in log
+
+
 def test_n_samples_with_temperature_scaled_logprobs(sglang_engine, tiny_hf_model):
     model = _hf(tiny_hf_model)
     samples = sglang_engine.generate(PROMPTS[:2], SamplingParams(n=4, temperature=0.7, max_new_tokens=12))

@@ -152,6 +152,8 @@ class ServerProcess:
         # "Connection reset by peer" and is retried through a health check: measured 26 retries and 16 s of a 3 s
         # rollout after a checkpoint. Keep idle connections as long as a request may take.
         env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(int(self.cfg.request_timeout_s)))
+        # Only the model classes we serve are imported at start-up (rollout/sglang_models); a user's package wins.
+        env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", "rlhf_mc.rollout.sglang_models")
         with open(self.log_path, "ab") as log:
             # Own session: the server and its scheduler processes form one process group we can signal whole.
             self.proc = start_child(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
