@@ -1,7 +1,9 @@
 """A CPU SGLang server's fixed costs, paid by every run and engine restart: seconds from launch to serving, and to a
-stopped process tree. Our stop (SIGTERM, SIGKILL to what is left after 1 s) against SGLang's own shutdown (SIGTERM,
-then waiting for the tree to exit by itself: the same call with a 30 s grace), in turn over --rounds servers each.
-Prints JSON lines: the medians and the ratio.
+stopped process tree. Our stop (ServerProcess.stop) against what SGLang's own tests call
+(sglang.srt.utils.kill_process_tree: SIGKILL to the tree, then reaping it) and against SGLang's graceful shutdown
+(SIGTERM, then waiting up to 30 s for the tree to exit by itself), in turn over --rounds servers each. Also the
+seconds it takes to import kill_process_tree in a fresh process (what calling it would add to a process that has no
+other use for sglang.srt.utils). Prints JSON lines: the medians and the ratios.
 
     .venv/bin/python bench/server_lifecycle.py [--rounds 3]
 """
@@ -9,11 +11,16 @@ Prints JSON lines: the medians and the ratio.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
+from sglang.srt.utils import kill_process_tree  # imported before anything is timed (its import: import_seconds)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -24,7 +31,23 @@ from rlhf_mc.rollout.sglang_server import ServerProcess  # noqa: E402
 from rlhf_mc.runtime.spawn import free_port  # noqa: E402
 
 
-def lifecycle(model_dir: Path, log_dir: Path, grace_s: float) -> tuple[float, float]:
+def sglang_kill(server: ServerProcess) -> None:
+    kill_process_tree(server.proc.pid)
+    server.proc.wait()
+
+
+def graceful(server: ServerProcess) -> None:
+    tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+    for proc in tree:
+        proc.send_signal(signal.SIGTERM)
+    psutil.wait_procs(tree, timeout=30)
+    server.stop()  # whatever outlived the grace
+
+
+STOPS = {"ours": ServerProcess.stop, "kill_process_tree": sglang_kill, "graceful": graceful}
+
+
+def lifecycle(model_dir: Path, log_dir: Path, stop) -> tuple[float, float]:
     """(seconds to serving, seconds to stopped) of one server on one of two device slots, as the quickstart's."""
     server = ServerProcess(0, RolloutConfig(model_path=str(model_dir), dtype="float32"), free_port(), log_dir,
                            memory_saver=False, slots=range(0, 1), slots_on_host=2)
@@ -33,8 +56,15 @@ def lifecycle(model_dir: Path, log_dir: Path, grace_s: float) -> tuple[float, fl
     server.wait_ready(300)
     ready = time.perf_counter() - start
     start = time.perf_counter()
-    server.stop(grace_s=grace_s)
+    stop(server)
     return ready, time.perf_counter() - start
+
+
+def import_seconds() -> float:
+    code = "import time; t = time.perf_counter(); from sglang.srt.utils import kill_process_tree; " \
+           "print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True).stdout.split()[-1])
 
 
 def main() -> None:
@@ -46,17 +76,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
         write_model(model_dir, "1m")
-        runs: dict[str, list[tuple[float, float]]] = {"ours": [], "sglang": []}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in STOPS}
         for _ in range(args.rounds):
-            for name, grace_s in (("ours", 1.0), ("sglang", 30.0)):
-                runs[name].append(lifecycle(model_dir, Path(tmp), grace_s))
+            for name, stop in STOPS.items():
+                runs[name].append(lifecycle(model_dir, Path(tmp), stop))
     ready = statistics.median(r for pairs in runs.values() for r, _ in pairs)
     emit(figure="CPU SGLang server, launch to serving", value=round(ready, 2), unit="s",
          all=[round(r, 2) for pairs in runs.values() for r, _ in pairs])
-    ours, theirs = (statistics.median(s for _, s in runs[name]) for name in ("ours", "sglang"))
-    emit(figure="CPU SGLang server stop", value=round(ours, 2), unit="s", rounds=[round(s, 2) for _, s in runs["ours"]],
-         baseline="SIGTERM and wait (SGLang's own shutdown)", baseline_s=round(theirs, 2),
-         baseline_rounds=[round(s, 2) for _, s in runs["sglang"]], ratio_baseline_over_ours=round(theirs / ours, 2))
+    stops = {name: statistics.median(s for _, s in pairs) for name, pairs in runs.items()}
+    for name, label in (("kill_process_tree", "sglang.srt.utils.kill_process_tree (SGLang's tests)"),
+                        ("graceful", "SIGTERM and wait (SGLang's own shutdown)")):
+        emit(figure="CPU SGLang server stop", value=round(stops["ours"], 2), unit="s",
+             rounds=[round(s, 2) for _, s in runs["ours"]], baseline=label, baseline_s=round(stops[name], 2),
+             baseline_rounds=[round(s, 2) for _, s in runs[name]],
+             ratio_baseline_over_ours=round(stops[name] / stops["ours"], 2))
+    emit(figure="import of sglang.srt.utils.kill_process_tree in a fresh process", value=round(import_seconds(), 2),
+         unit="s")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import psutil
 import pytest
 import requests
 
+from rlhf_mc.rollout.sglang_server import running
 from rlhf_mc.trainer import checkpoints
-from tests.test_trainer import _alive, _server_args, _start, _wait_for
+from tests.test_trainer import _server_args, _start, _wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def test_a_signal_finishes_the_step_and_leaves_nothing_behind(signum, phase, tmp
     assert checkpoints.resume_from(out, "auto") == checkpoints.checkpoint_dir(out, step + 1)
 
     deadline = time.time() + 30
-    while (left := [p for p in started if _alive(p)]) and time.time() < deadline:
+    while (left := [p for p in started if running(p)]) and time.time() < deadline:
         time.sleep(0.5)
     assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}"
     assert set(Path("/dev/shm").glob("torch_*")) <= staging_before, "weight-sync staging left in /dev/shm"

@@ -32,6 +32,7 @@ import psutil
 import pytest
 import requests
 
+from rlhf_mc.rollout.sglang_server import running
 from rlhf_mc.runtime.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,13 +74,6 @@ def _start(out: Path, args: list[str] = ARGS) -> subprocess.Popen:
 
 def _finish(proc: subprocess.Popen, out: Path) -> None:
     assert proc.wait(timeout=900) == 0, out.with_suffix(".log").read_text()[-4000:]
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _run_processes(out: Path) -> list[psutil.Process]:

@@ -63,6 +63,14 @@ def start_child(cmd: list[str], **popen_kwargs) -> subprocess.Popen:
     return future.result()
 
 
+def running(proc: psutil.Process) -> bool:
+    """Whether `proc` still runs (a zombie has exited: only its exit status is left)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class ServerProcess:
     def __init__(self, index: int, cfg: RolloutConfig, port: int, log_dir: Path, memory_saver: bool, slots: range,
                  slots_on_host: int):
@@ -181,23 +189,17 @@ class ServerProcess:
         raise TimeoutError(f"SGLang engine {self.index} did not serve within {timeout_s:.0f} s; log tail "
                            f"({self.log_path}):\n{self.log_tail()}")
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """SIGTERM to the server's processes, SIGKILL to what is left after `grace_s`. The scheduler and detokenizer
-        exit on SIGTERM at once. The HTTP server's process then takes the scheduler's exit for a crash and sleeps 5 s
-        "before crash diagnostics to let GPU activity settle" (SGLang's log) before it ends; signalled alone, it acts
-        on SIGTERM only at its watchdog's next 5-second tick (TokenizerManager.sigterm_watchdog). Either way 5.8 s of
-        nothing at the end of every run and restart, a server at a time (a stop took 7.3 s, now ~1.1 s). It holds
-        nothing a kill loses: the same /dev/shm files are left either way."""
+    def stop(self) -> None:
+        """SIGKILL to the server's processes, then to anything else left in its session, and reaps the server: what
+        sglang.srt.utils.kill_process_tree does (SGLang's own tests stop servers with it), without importing that
+        module (2 s in a process with no other use for it: bench/server_lifecycle.py). A SIGTERM first gains nothing:
+        the scheduler and detokenizer exit at once, but the HTTP server's process takes that for a crash and sleeps
+        5 s "before crash diagnostics" (signalled alone, it acts at its watchdog's next 5-second tick), and the same
+        /dev/shm files are left either way."""
         if self.proc is None:
             return
         tree = self._tree()
         for proc in tree:
-            try:
-                proc.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=grace_s)
-        for proc in alive:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -207,6 +209,11 @@ class ServerProcess:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
+        # Its port and memory are free once every process of the tree has exited; a zombie has (its parent, killed
+        # too, leaves it to init to reap, which waiting for would add a second).
+        deadline = time.monotonic() + 10
+        while any(running(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.proc = None
 
     def log_tail(self, lines: int = 40) -> str:
