@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf_mc.rollout.base import SamplingParams
-from rlhf_mc.rollout.sglang_engine import INCONSISTENT_VERSION, LAUNCH_VERSION, WeightUpdateError, tensor_payload
+from rlhf_mc.rollout.sglang_engine import (INCONSISTENT_VERSION, KV_CACHE_TAGS, LAUNCH_VERSION, WEIGHTS_TAGS,
+                                           WeightUpdateError, tensor_payload)
 from rlhf_mc.runtime.spawn import free_port
 from tests.conftest import write_tiny_qwen2
 
@@ -329,6 +330,27 @@ def test_killed_server_is_restarted_and_the_batch_completes(sglang_engine, tiny_
         _assert_greedy_matches(engine, model, LAUNCH_VERSION)
     finally:
         engine.on_restart = None
+
+
+def test_a_server_restarted_while_released_gives_its_memory_back_again(sglang_engine, tiny_hf_model):
+    """Colocated, the engines' memory is released while the trainer works; a server that dies then and is restarted
+    by the next control call comes back holding all of it: it is released again (so the trainer keeps the memory,
+    and the resume that follows finds the tags released, as SGLang requires), and then answers as before."""
+    engine = sglang_engine
+    restarts = engine.stats["engine_restarts"]
+    log = engine.servers[0].log_path
+    engine.release_memory()
+    try:
+        engine.servers[0].proc.kill()
+        engine.servers[0].proc.wait()
+        releases = lambda: log.read_text(errors="replace").count('"POST /release_memory_occupation HTTP/1.1" 200')
+        seen = releases()
+        engine.recover(0)
+        assert engine.stats["engine_restarts"] == restarts + 1 and releases() == seen + 1
+        assert engine.released[0] == set(WEIGHTS_TAGS + KV_CACHE_TAGS)
+    finally:
+        engine.resume_memory()
+    _assert_greedy_matches(engine, _hf(tiny_hf_model), LAUNCH_VERSION)
 
 
 def test_idle_server_sleeps_instead_of_polling(sglang_engine):

@@ -320,15 +320,19 @@ class SGLangEngine:
             self._restarts[engine] += 1
             self.stats["engine_restarts"] += 1
             log.warning("restarting SGLang engine %d (restart %d)", engine, self._restarts[engine])
+            released, self.released[engine] = self.released[engine], set()
             server.stop()
             server.start()
             server.wait_ready(self.cfg.startup_timeout_s)
-            self.versions[engine], self.released[engine] = LAUNCH_VERSION, set()
+            self.versions[engine] = LAUNCH_VERSION
             if self._disk_weights is not None:
                 path, version = self._disk_weights
                 self._call(engine, "POST", "/update_weights_from_disk",
                            {"model_path": path, "weight_version": str(version)})
                 self.versions[engine] = version
+            if released:  # given back to a colocated trainer: a new server holds it all, until it gives it back
+                self._call(engine, "POST", "/release_memory_occupation", {"tags": sorted(released)})
+                self.released[engine] = released
             if self.on_restart is not None:
                 self.on_restart(engine)
 
