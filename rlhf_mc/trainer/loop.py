@@ -272,6 +272,7 @@ def train(recipe: Recipe, plan: Plan, address: str | None = None, stop: Stop | N
                 critic.load(str(checkpoints.critic_dir(resume)))
             log.info("resumed from %s at step %d", resume, trainer_state["step"])
         logger.phase("wait for engines")
+        actor.prepare_sync()  # while the engines start
         # the disk transport's staging in the run folder: on a cluster, the filesystem the engines share
         actor.connect_engines(cluster.engine_addresses(), plan.sync_transport, r.sync_bucket_mb * 2**20,
                               cluster.engine_ranks(), str(init_hf), str(run_dir / "sync_staging"))

@@ -145,6 +145,9 @@ class WorkerGroup:
     def reload(self, part: str | None = None) -> None:
         self._call("reload", part)
 
+    def prepare_sync(self) -> None:
+        self._call("prepare_sync")
+
     def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
                         engine_ranks: list[list[int]] | None, config_from: str, staging_dir: str) -> None:
         self._call("connect_engines", addresses, transport, bucket_bytes, engine_ranks, config_from, staging_dir)

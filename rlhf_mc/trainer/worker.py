@@ -226,6 +226,11 @@ class ModelWorker:
 
     # ------------------------------------------------------------ weight sync
 
+    def prepare_sync(self) -> None:
+        """Imports what every sync into SGLang uses (its serializer, sglang.srt.utils: ~2.5 s on 2 cores), before the
+        engines are ready: in connect_engines, once they are, it held up every launch by that much (measured)."""
+        import sglang.srt.utils  # noqa: F401
+
     def connect_engines(self, addresses: list[str], transport: str, bucket_bytes: int,
                         engine_ranks: list[list[int]] | None, config_from: str, staging_dir: str) -> None:
         """The weight sync to the engines at `addresses` (sync/transports.py; collective over the group);
