@@ -32,7 +32,6 @@ import psutil
 import pytest
 import requests
 
-from rlhf_mc.rollout.sglang_server import running
 from rlhf_mc.runtime.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -192,10 +192,10 @@ class ServerProcess:
     def stop(self) -> None:
         """SIGKILL to the server's processes, then to anything else left in its session, and reaps the server: what
         sglang.srt.utils.kill_process_tree does (SGLang's own tests stop servers with it), without importing that
-        module (2 s in a process with no other use for it: bench/server_lifecycle.py). A SIGTERM first gains nothing:
-        the scheduler and detokenizer exit at once, but the HTTP server's process takes that for a crash and sleeps
-        5 s "before crash diagnostics" (signalled alone, it acts at its watchdog's next 5-second tick), and the same
-        /dev/shm files are left either way."""
+        module (5 s in a fresh process, bench/server_lifecycle.py; the callers have no other use for it). A SIGTERM
+        first gains nothing: the scheduler and detokenizer exit at once, but the HTTP server's process takes that
+        for a crash and sleeps 5 s "before crash diagnostics" (signalled alone, it acts at its watchdog's next
+        5-second tick), and the same /dev/shm files are left either way."""
         if self.proc is None:
             return
         tree = self._tree()
