@@ -1,6 +1,7 @@
 """Training checkpoints (model + distributed optimizer) across a restart: at TP=2 and at DP=2 (optimizer state
 sharded over DP), three steps, save, a fresh model and optimizer load it, and the next two steps give the same losses
-and weights as continuing without the restart."""
+and weights as continuing without the restart. A save starts no process (Megatron's writer would serve its results
+through a multiprocessing Manager: models/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from rlhf_mc.runtime.spawn import spawn
 
 
 def _run(tp: int, ckpt: str) -> dict:
+    import multiprocessing
+
     from rlhf_mc.config import ModelConfig, OptimizerConfig
     from rlhf_mc.models.checkpoint import load_model, save_model
     from rlhf_mc.models.gpt import build_model
@@ -34,6 +37,7 @@ def _run(tp: int, ckpt: str) -> dict:
     state = setup_training(chunks, optim)
     steps(state, range(3))
     save_model(chunks, ckpt, optimizer=state.optimizer)
+    started = [p.name for p in multiprocessing.active_children()]
     scheduler = state.scheduler.state_dict()
     continued = steps(state, range(3, 5))
     weights = [p.detach().clone() for p in chunks[0].parameters()]
@@ -44,7 +48,7 @@ def _run(tp: int, ckpt: str) -> dict:
     restored.scheduler.load_state_dict(scheduler)
     resumed = steps(restored, range(3, 5))
     gap = max((a - b.detach()).abs().max().item() for a, b in zip(weights, fresh[0].parameters()))
-    return {"continued": continued, "resumed": resumed, "gap": gap}
+    return {"continued": continued, "resumed": resumed, "gap": gap, "started": started}
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
@@ -52,6 +56,7 @@ def test_resume_matches_continuing(tp, tmp_path):
     for result in spawn(_run, 2, tp, str(tmp_path / "ckpt")):
         assert result["resumed"] == pytest.approx(result["continued"], abs=1e-6)
         assert result["gap"] < 1e-6
+        assert result["started"] == []
 
 
 def test_incomplete_checkpoints_are_removed_before_a_run_goes_on(tmp_path):

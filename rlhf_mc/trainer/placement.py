@@ -23,7 +23,7 @@ import torch
 from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig, RolloutConfig, RouterConfig
 from rlhf_mc.data.microbatch import balance_across_ranks
 from rlhf_mc.data.trajectory import Trajectories, gather_shares
-from rlhf_mc.runtime import host
+from rlhf_mc.runtime import host, ray_tensors
 from rlhf_mc.trainer.plan import Plan
 from rlhf_mc.trainer.recipe import Recipe
 
@@ -36,10 +36,12 @@ def start_ray(address: str | None, plan: Plan) -> None:
     Ray's driver puts one in place that aborts the process, which would skip every clean-up. The workers of a local
     CPU instance get host.exec_env (MKL's AVX-512 kernels on an AMD CPU; a cluster's nodes would each need the
     library this node built). The workers' output is not streamed to the driver's console: each rank and engine
-    writes its own into the run's logs/ folder (console.output_to)."""
+    writes its own into the run's logs/ folder (console.output_to). Tensors go to and from the ranks as their bytes
+    (runtime/ray_tensors.py)."""
     import ray
 
     if ray.is_initialized():
+        ray_tensors.register()
         return
     env = {"env_vars": {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}}
     address = address or os.environ.get("RAY_ADDRESS")
@@ -54,6 +56,7 @@ def start_ray(address: str | None, plan: Plan) -> None:
                  _temp_dir=os.environ.get("RLHF_MC_RAY_TMP"))
     if on_term is not None:
         signal.signal(signal.SIGTERM, on_term)
+    ray_tensors.register()
 
 
 def check_groups_on_one_node(plan: Plan, slot_nodes: list[str], devices_per_node: int) -> None:

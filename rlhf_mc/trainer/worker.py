@@ -9,13 +9,14 @@ import json
 import os
 import random
 import socket
+import sys
 from pathlib import Path
 
 import torch
 
 from rlhf_mc.config import LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig, RouterConfig
 from rlhf_mc.data.trajectory import Trajectories
-from rlhf_mc.runtime import console, host
+from rlhf_mc.runtime import console, host, ray_tensors
 
 
 def node_ip() -> str:
@@ -41,6 +42,10 @@ class ModelWorker:
         if log_file:
             console.output_to(log_file)
         console.quiet_framework_warnings()
+        # megatron.core.timers imports wandb, where installed, for a writer the ranks are never given: 1.3 s of every
+        # rank's start on 2 cores. The driver is the process that logs to wandb.
+        sys.modules.setdefault("wandb", None)
+        ray_tensors.register()
         self.rank, self.world, self.model, self.lora = rank, world, model, lora
         self._build = (parallel, dtype, seed, recompute, value_head, router)
         self.replay_routing = router.replay  # the policy's forward passes replay the engine's routing (MoE)
