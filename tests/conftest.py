@@ -1,5 +1,6 @@
-"""Session-wide fixtures: one tiny HF model written by transformers, and one SGLang engine serving it (a real server
-on CPU, started once per test session because start-up takes ~25 s).
+"""Session-wide fixtures: one tiny HF model written by transformers, one SGLang engine serving it (a real server
+on CPU, started once per test session because start-up takes ~11 s), and one Ray node for the launches that join a
+cluster (`ray_address`).
 
 The suite runs on the CPU on any machine: on one with GPUs they are hidden (before torch starts CUDA), so multi-rank
 tests take gloo however few GPUs there are, and SGLang serves on the CPU. The GPU-only tests in tests/gpu/ run with
@@ -7,7 +8,14 @@ RLHF_MC_GPU_TESTS=1 (tools/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 if os.environ.get("RLHF_MC_GPU_TESTS") != "1":
@@ -19,6 +27,75 @@ os.environ.setdefault("RLHF_MC_KEEP_RANKS", "1")
 import psutil
 import pytest
 import torch
+
+from rlhf_mc.runtime.spawn import free_port
+
+RAY = str(Path(sys.executable).parent / "ray")
+# For the Ray nodes the tests start and the launches that join them. Ray 2.60 turns on token authentication by
+# default (the nodes talk over loopback only), and a head node told to stop drains for 30 s, waiting for work nobody
+# left running.
+RAY_SETTINGS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def ray_env() -> dict[str, str]:
+    return {**os.environ, **RAY_SETTINGS}
+
+
+def _alive_ray_nodes(address: str) -> int:
+    try:
+        out = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}', logging_level='ERROR');"
+                              " print(sum(n['Alive'] for n in ray.nodes()))"], env=ray_env(), capture_output=True,
+                             text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return 0
+    return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+
+
+@contextlib.contextmanager
+def ray_cluster(log_dir: Path, nodes: int, cpus: int, env: dict[str, str] | None = None):
+    """`nodes` Ray nodes on loopback, a head and nodes - 1 more, of `cpus` CPUs each, started with `env` (else
+    ray_env()); yields the head's address. `ray start --block`: each start process supervises its node's processes
+    and takes them down when it is stopped."""
+    address, env = f"127.0.0.1:{free_port()}", env or ray_env()
+    ray_tmp = tempfile.mkdtemp(prefix="rr", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    procs = []
+
+    def start(args: list[str], log: Path) -> None:
+        procs.append(subprocess.Popen([RAY, "start", "--block", "--num-cpus", str(cpus), "--node-ip-address",
+                                       "127.0.0.1", *args], env=env, start_new_session=True, stdout=open(log, "wb"),
+                                      stderr=subprocess.STDOUT))
+        deadline = time.time() + 120
+        while _alive_ray_nodes(address) < len(procs):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), log.read_text()[-2000:]
+            time.sleep(1)
+
+    try:
+        start(["--head", "--port", address.split(":")[1], "--include-dashboard", "false", "--temp-dir", ray_tmp],
+              log_dir / "ray_head.log")
+        for n in range(1, nodes):
+            start(["--address", address], log_dir / f"ray_node{n}.log")
+        yield address
+    finally:
+        for proc in reversed(procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_address(tmp_path_factory) -> str:
+    """One Ray node for the session, joined by the launches that test a run rather than Ray's own start (each saves
+    the ~5 s of starting and stopping a local instance): tools/launch.py --address, as on a cluster. Its workers get
+    what a local CPU instance gives them (host.exec_env: MKL's AVX-512 kernels, the allocator settings)."""
+    from rlhf_mc.runtime import host
+
+    env = ray_env()
+    with ray_cluster(tmp_path_factory.mktemp("ray"), 1, 4, {**env, **host.exec_env(env)}) as address:
+        yield address
 
 
 def write_tiny_qwen2(out: Path, seed: int = 0, layers: int = 2, reward_labels: int | None = None) -> Path:

@@ -149,7 +149,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_by_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["engine", "megatron"])
-def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
+def test_distillation_run_with_a_teacher_and_a_judge(backend, ray_address, tmp_path):
     """tools/launch.py with a teacher (a random model of the quickstart's architecture and tokenizer; served by its
     own SGLang engine, or run as a Megatron worker group offloaded while the engines generate) and, served, the
     same model as a judge: each step's loss is
@@ -165,6 +165,7 @@ def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
 
     from rlhf_mc.bridge.hf_config import hf_config_from_model
     from rlhf_mc.config import ModelConfig
+    from tests.conftest import ray_env
     from tests.test_trainer import ONE_SLOT, REPO
 
     teacher = tmp_path / "teacher"
@@ -175,13 +176,14 @@ def test_distillation_run_with_a_teacher_and_a_judge(backend, tmp_path):
         shutil.copy(REPO / "recipes/data/arith" / name, teacher)
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
-         "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", "--address", ray_address,
+         f"trainer.output_dir={out}", "sft.data_path=", "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8",
+         "actor.ppo_mini_batch_size=8", "rollout.n=2",
          "data.val_path=", "trainer.loggers=[jsonl]", f"teacher.path={teacher}", f"teacher.backend={backend}",
          *(["teacher.offload=true"] if backend == "megatron" else []),
          "algorithm.estimator=distill", f"judge.path={teacher}", "judge.chat_template=false",
          "judge.template='{question}{response}='", "judge.max_new_tokens=4", "judge.score_range=[0,200]"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        cwd=REPO, env=ray_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]

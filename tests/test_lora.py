@@ -13,7 +13,7 @@ import torch
 from rlhf_mc.config import ConfigError, LoraConfig, ModelConfig, OptimizerConfig, ParallelConfig
 from rlhf_mc.data.trajectory import Trajectories
 from rlhf_mc.runtime.spawn import spawn
-from tests.conftest import write_tiny_qwen2
+from tests.conftest import ray_env, write_tiny_qwen2
 from tests.test_sync import PROMPTS, _actor_logprobs, training_batch
 from tests.test_train_step import LOSS, MODEL, OPTIM, STARTS, TOL, _data
 
@@ -325,7 +325,7 @@ def test_recipe_refuses_what_lora_does_not_do(tiny_hf_model):
 
 
 @pytest.mark.slow
-def test_lora_run_end_to_end(tmp_path):
+def test_lora_run_end_to_end(ray_address, tmp_path):
     """tools/launch.py with actor.lora: the engine serves the adapter and follows the actor at every sync (the
     adapter's bytes alone), the reference is the base (KL 0 while B = 0, then not), and the run's PEFT adapter on
     the HF base gives the logits of its merged export in plain transformers and peft."""
@@ -346,13 +346,14 @@ def test_lora_run_end_to_end(tmp_path):
     T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model(**config)).save_pretrained(base_dir)
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", f"trainer.output_dir={out}", "sft.data_path=",
-         "model.config=", f"model.path={base_dir}", "model.tokenizer=recipes/data/arith",
+        [sys.executable, "tools/launch.py", "recipes/quickstart.yaml", "--address", ray_address,
+         f"trainer.output_dir={out}", "sft.data_path=", "model.config=", f"model.path={base_dir}",
+         "model.tokenizer=recipes/data/arith",
          "trainer.total_steps=2", *ONE_SLOT, "data.train_batch_size=8", "rollout.n=2", "data.val_path=",
          "actor.ppo_mini_batch_size=8", "actor.optim.lr=1e-2", "actor.optim.lr_warmup_steps=0",
          "actor.loss.kl_loss_coef=0.01", "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes",
          "actor.lora.enabled=true", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=adapter",
-         "actor.lora.export_merged=true"], cwd=REPO, capture_output=True, text=True, timeout=900)
+         "actor.lora.export_merged=true"], cwd=REPO, env=ray_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]

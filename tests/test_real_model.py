@@ -90,7 +90,7 @@ def test_bad_gguf_input_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_runs_the_real_model_end_to_end(smollm2, tmp_path):
+def test_recipe_runs_the_real_model_end_to_end(smollm2, ray_address, tmp_path):
     import transformers as T
 
     from tests.test_trainer import _finish, _start
@@ -103,7 +103,7 @@ def test_recipe_runs_the_real_model_end_to_end(smollm2, tmp_path):
                          # a reward that tells any two responses apart: the recipe's dynamic sampling keeps every
                          # group of these 8-token answers (its math reward would score them all 0 and run out of
                          # rounds) and the weights move at step 1
-                         "reward.function=tests.test_trainer:char_codes", "trainer.loggers=[jsonl]"]), out)
+                         "reward.function=tests.test_trainer:char_codes", "trainer.loggers=[jsonl]"], ray_address), out)
     steps = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert sorted(steps) == [1, 2]
     # step 2's samples come from the weights step 1 trained, synced into the engine: the engine's log-probs of them

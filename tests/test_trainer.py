@@ -33,6 +33,7 @@ import pytest
 import requests
 
 from rlhf_mc.runtime.spawn import free_port
+from tests.conftest import ray_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -64,11 +65,13 @@ def char_code_parity(response: str, answer: str, prompt: str) -> float:
     return float(sum(map(ord, response)) % 2)
 
 
-def _start(out: Path, args: list[str] = ARGS) -> subprocess.Popen:
-    """The launcher writing to <out>.log (not to a pipe, which a process left behind would hold open)."""
+def _start(out: Path, args: list[str] = ARGS, ray_address: str | None = None) -> subprocess.Popen:
+    """The launcher writing to <out>.log (not to a pipe, which a process left behind would hold open); on its own
+    local Ray instance, or joining the node at `ray_address` (conftest.ray_address)."""
     log = open(out.with_suffix(".log"), "ab")
-    return subprocess.Popen([sys.executable, "tools/launch.py", *args, f"trainer.output_dir={out}"], cwd=REPO,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    join = ["--address", ray_address] if ray_address else []
+    return subprocess.Popen([sys.executable, "tools/launch.py", *args, *join, f"trainer.output_dir={out}"], cwd=REPO,
+                            env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> None:
@@ -179,7 +182,7 @@ def test_crash_recovery_stop_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
+def test_ppo_with_critic_separate_reference_and_reward_model(ray_address, tmp_path):
     """PPO (GAE with a critic, KL in the reward with the adaptive coefficient), the reference in its own worker
     group, a learned reward model added to the rule, actor, critic and reference offloaded during rollouts: two
     steps run; at step 1 the reference equals the (reloaded) actor (KL 0), at step 2 it does not."""
@@ -194,7 +197,7 @@ def test_ppo_with_critic_separate_reference_and_reward_model(tmp_path):
                          "algorithm.kl_horizon=64", "ref.placement=separate",
                          "actor.offload=true", "critic.offload=true", "ref.offload=true",
                          "critic.optim.lr=1e-4", "critic.micro_batch_tokens=4096", f"reward.model={rm}",
-                         "data.val_path=", "trainer.loggers=[jsonl]"]), out)
+                         "data.val_path=", "trainer.loggers=[jsonl]"], ray_address), out)
     steps = _metrics(out)
     for metrics in steps.values():
         assert {"critic/value_loss", "critic/grad_norm", "actor/kl_ref", "reward/model_mean"} <= metrics.keys()
@@ -239,7 +242,7 @@ def _server_args(log: Path) -> tuple[str, int]:
 
 
 @pytest.mark.slow
-def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
+def test_two_colocated_engines_at_dp2_then_two_attached(ray_address, tmp_path):
     """Two devices with an engine each (colocated; a port each from rollout.engine.base_port; on 127.0.0.1) and the
     actor at DP=2 (each rank given only its data-parallel share): both engines hold the actor's weights after every
     sync (each engine's log-probs of its own samples equal the actor's; prompts are dealt to both). Then a run
@@ -256,7 +259,8 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
               "data.val_path=", "trainer.loggers=[jsonl]", "actor.optim.lr=1e-3",
               "reward.function=tests.test_trainer:char_codes"]
     _finish(_start(out, ["recipes/quickstart.yaml", "sft.data_path=", "resources.devices_per_node=2",
-                         "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common]), out)
+                         "rollout.engine.num_engines=2", f"rollout.engine.base_port={base}", *common], ray_address),
+            out)
     # the weight sync's shared-memory staging went with the run (Ray's kill of the workers leaves what they made)
     assert set(Path("/dev/shm").glob("torch_*")) <= shared_memory
     placement = json.loads((out / "placement.json").read_text())
@@ -287,12 +291,12 @@ def test_two_colocated_engines_at_dp2_then_two_attached(tmp_path):
                 f"rollout.engine.addresses=[{addresses}]", "rollout.engine.num_engines=2",
                 # the servers above were launched so; attached, the recipe's launch flags are refused
                 "rollout.engine.dtype=auto", "rollout.engine.extra_args=[]", *common]
-        too_long = _start(tmp_path / "too_long", [*args, "data.max_response_length=7"])
+        too_long = _start(tmp_path / "too_long", [*args, "data.max_response_length=7"], ray_address)
         assert too_long.wait(timeout=300) == 2
         assert (f"error: rollout.engine.addresses: the server at {engines.urls[0].removeprefix('http://')} holds 14 "
                 "tokens a sequence, fewer than data.max_prompt_length + data.max_response_length = 15"
                 in (tmp_path / "too_long.log").read_text())
-        _finish(_start(attached, args), attached)
+        _finish(_start(attached, args, ray_address), attached)
         check(attached)
         for url in engines.urls:  # each server holds the run's last weights
             (sample,) = SGLangEngine(RolloutConfig(addresses=(url.removeprefix("http://"),))).generate(
@@ -314,7 +318,7 @@ def _port_free(port: int) -> bool:
 
 
 @pytest.mark.slow
-def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path):
+def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(ray_address, tmp_path):
     """DAPO's dynamic sampling: groups whose two samples score alike are dropped and more prompts are rolled out
     until the step has data.train_batch_size prompts (16 samples) whose groups differ. (Running out of rounds, and
     a group filter from its import path: tests/test_rollouts.py.)"""
@@ -322,7 +326,7 @@ def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path)
               "rollout.n=2", "actor.ppo_mini_batch_size=8", "data.val_path=", "trainer.loggers=[jsonl]", *ONE_SLOT]
     out = tmp_path / "dapo"
     _finish(_start(out, [*common, "reward.function=tests.test_trainer:char_code_parity",
-                         "algorithm.dynamic_sampling_max_rounds=8"]), out)
+                         "algorithm.dynamic_sampling_max_rounds=8"], ray_address), out)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     for record in steps.values():
@@ -333,7 +337,7 @@ def test_dapo_dynamic_sampling_drops_tied_groups_and_refills_the_batch(tmp_path)
 
 
 @pytest.mark.slow
-def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
+def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(ray_address, tmp_path):
     """recipes/grpo_moe_cpu.yaml for two steps: a Qwen3-MoE actor at EP=2 (two Megatron ranks, two experts each),
     its load-balancing loss logged, SGLang serving the model and returning the experts it routed each token to,
     which the actor's forward passes replay (two mini-batches: the old log-probs too); after each sync the engine's
@@ -344,7 +348,7 @@ def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
     out = tmp_path / "moe"
     _finish(_start(out, ["recipes/grpo_moe_cpu.yaml", "sft.data_path=", "trainer.total_steps=2",
                          "data.train_batch_size=8", "rollout.n=2", "actor.ppo_mini_batch_size=4", "data.val_path=",
-                         "actor.router.replay=true", "trainer.loggers=[jsonl]"]), out)
+                         "actor.router.replay=true", "trainer.loggers=[jsonl]"], ray_address), out)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     for metrics in steps.values():
@@ -357,14 +361,14 @@ def test_moe_recipe_trains_with_expert_parallelism_and_routing_replay(tmp_path):
 
 
 @pytest.mark.slow
-def test_tool_recipe_trains_on_multi_turn_trajectories(tmp_path):
+def test_tool_recipe_trains_on_multi_turn_trajectories(ray_address, tmp_path):
     """recipes/tool_calculator.yaml for two steps after a short SFT on its tool-calling conversations: the rollouts
     call the calculator in the sandbox and go on after its result, and the trainer's log-probs of the sampled tokens
     of these multi-turn trajectories equal the engine's (the inserted tokens are the ones the engine saw)."""
     out = tmp_path / "tool"
     _finish(_start(out, ["recipes/tool_calculator.yaml", "sft.steps=100", "trainer.total_steps=2",
                          "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "data.val_size=16",
-                         "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes"]), out)
+                         "trainer.loggers=[jsonl]", "reward.function=tests.test_trainer:char_codes"], ray_address), out)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     assert sum(m["rollout/tool_calls"] for m in steps.values()) > 0
@@ -378,7 +382,7 @@ def test_tool_recipe_trains_on_multi_turn_trajectories(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
+def test_one_step_off_overlaps_the_next_rollout_with_training(ray_address, tmp_path):
     """rollout.mode=one_step_off on two processes (the actor on one, the engine on the other): from the second step
     on, each batch was generated by the weights one version before the ones it trains (every sampled token is
     checked by the rollout manager; the run fails on an older one). How much of the rollout the overlap hides is a
@@ -388,7 +392,8 @@ def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
                          "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=8", "data.val_path=",
                          "trainer.loggers=[jsonl]",
                          "rollout.mode=one_step_off", "rollout.engine.num_engines=1", "rollout.placement=disaggregated",
-                         "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"]), out)
+                         "resources.devices_per_node=2", "reward.function=tests.test_trainer:char_codes"],
+                   ray_address), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "reward/mean" in r}
     assert sorted(steps) == [1, 2, 3, 4]
@@ -399,7 +404,7 @@ def test_one_step_off_overlaps_the_next_rollout_with_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_mode_trains_within_the_staleness_bound(tmp_path):
+def test_async_mode_trains_within_the_staleness_bound(ray_address, tmp_path):
     """rollout.mode=async, max_staleness=1, on two processes: groups of the next step generate while the actor
     trains (every sampled token's version is checked against the bound by the rollout manager, which fails the run
     on an older one); the logged histogram of the trained tokens' staleness stays within the bound, and from the
@@ -410,7 +415,7 @@ def test_async_mode_trains_within_the_staleness_bound(tmp_path):
                          "trainer.loggers=[jsonl]",
                          "rollout.mode=async", "rollout.engine.num_engines=1", "rollout.max_staleness=1",
                          "rollout.placement=disaggregated", "resources.devices_per_node=2",
-                         "reward.function=tests.test_trainer:char_codes"]), out)
+                         "reward.function=tests.test_trainer:char_codes"], ray_address), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records if "reward/mean" in r}
     assert sorted(steps) == [1, 2, 3, 4]
