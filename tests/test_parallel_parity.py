@@ -167,6 +167,7 @@ LAYOUTS = {
     "pp2": (ParallelConfig(pp=2), 2, False, False),
     "tp2_pp2": (ParallelConfig(tp=2, pp=2), 4, False, False),
     "pp2_vpp2": (ParallelConfig(pp=2, vpp=2), 2, False, False),
+    "pp2_vpp2_cp2": (ParallelConfig(pp=2, vpp=2, cp=2), 4, False, False),
     "cp2": (ParallelConfig(cp=2), 2, False, False),
     "tp2_cp2": (ParallelConfig(tp=2, cp=2), 4, False, False),
     "packed": (ParallelConfig(), 1, True, False),

@@ -27,6 +27,7 @@ def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn
     scales `loss` by cp_size / num_microbatches before backward; DDP then averages over the data-parallel x
     context-parallel group.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     lengths = sorted({mb["tokens"].shape for mb in microbatches})
@@ -56,7 +57,9 @@ def run_pipeline(model: list[torch.nn.Module], microbatches: list[dict], loss_fn
         data_iterator=[iter(microbatches) for _ in model],
         model=model,
         num_microbatches=len(microbatches),
-        seq_length=lengths[-1][1],
+        # the sequence's whole length: the interleaved schedule (vpp > 1, fixed shapes) divides it by cp itself to
+        # size the activations it passes between stages, and the micro-batches hold this CP rank's share
+        seq_length=lengths[-1][1] * ps.get_context_parallel_world_size(),
         micro_batch_size=lengths[-1][0],
         forward_only=forward_only,
     )
