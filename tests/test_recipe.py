@@ -135,6 +135,42 @@ def test_real_scale_plans():
     assert dapo.engines == [(2 * e, 2) for e in range(8)] and dapo.placement[9]["node"] == 1
 
 
+def test_memory_estimate_per_gpu_by_hand():
+    """The 7B recipe on H100s (79.6 GiB, as torch reports them; tp=2, dp=4, bf16, distributed optimizer): per rank,
+    bf16 weights of half the model, fp32 gradients of that half, Adam's two fp32 moments and the fp32 master copy
+    sharded over 4 ranks; the engines' static memory, 0.6 of the GPU. With the actor offloaded while the engines
+    generate it fits; kept on the GPU it does not, and the plan says so and what to set."""
+    gib, gpu = 2**30, 79.6
+    recipe = load_recipe(REPO / "recipes" / "grpo_qwen2.5_7b_gsm8k.yaml", [f"resources.gpu_memory_gib={gpu}"])
+    model = model_config(recipe)
+    assert model.num_parameters == 7_615_616_512  # Qwen2.5-7B-Instruct's safetensors index, summed
+    half = model.num_parameters / 2
+    estimate = make_plan(recipe, model, cuda=True).memory
+    (actor,) = estimate.roles
+    assert (actor.weights, actor.grads, actor.optimizer) == (half * 2, half * 4, half * 12 / 4) and actor.offloaded
+    assert estimate.engine_static == 0.6 * gpu * gib and estimate.engine_weights == half * 2
+    # keys and values of 2 of the 4 KV heads on each of the engine's 2 GPUs, 28 layers, head_dim 128, bf16
+    assert estimate.kv_bytes_per_token == 2 * 28 * 2 * 128 * 2
+    assert (estimate.generating, estimate.training) == (0.6 * gpu * gib, half * 9)
+    assert not any(line.startswith("WARNING") for line in make_plan(recipe, model, cuda=True).lines())
+    kept = make_plan(load_recipe(REPO / "recipes" / "grpo_qwen2.5_7b_gsm8k.yaml",
+                                 [f"resources.gpu_memory_gib={gpu}", "actor.offload=false"]), model, cuda=True)
+    assert kept.memory.generating == half * 9 + 0.6 * gpu * gib  # 31.9 + 47.8 GiB
+    assert kept.lines()[-1].startswith("WARNING: 79.7 GiB exceeds the 79.6 GiB GPU; set actor.offload=true")
+    quickstart = load_recipe(QUICKSTART)  # on CPU the ranks and engines share host memory: no per-GPU estimate
+    assert make_plan(quickstart, model_config(quickstart), cuda=False).memory is None
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if load_recipe(r).resources.device == "cuda"],
+                         ids=lambda r: r.stem)
+def test_gpu_recipes_fit_h100s(recipe):
+    """Every shipped GPU recipe's estimate (weights, gradients, optimizer, engine static memory) fits an 80 GB H100
+    (79.6 GiB) in both phases of a step."""
+    r = load_recipe(recipe, ["resources.gpu_memory_gib=79.6"])
+    plan = make_plan(r, model_config(r), cuda=True)
+    assert plan.memory.peak < 79.6 * 2**30, plan.memory.lines()
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_colocated_engines_release_their_memory_on_gpus_only(cuda):
     """Colocated engines give their memory back while the trainer works on GPUs (SGLang's memory saver); on CPU a
@@ -304,6 +340,7 @@ BAD = [
       "rollout.n=3"], "actor.parallel.ep: 3 does not divide model.num_experts=4"),
     (["model.config=model_configs/tiny-arith-moe.yaml", "actor.router.replay=true", "actor.recompute=full"],
      "actor.router.replay: routing replay is the actor's, with recompute=none"),
+    (["resources.gpu_memory_gib=-1"], "resources.gpu_memory_gib: must be >= 0, got -1"),
     (["rollout.engine.return_routed_experts=true"],
      "rollout.engine.return_routed_experts: set by the trainer for mixture-of-experts models"),
 ]

@@ -12,6 +12,7 @@ from rlhf_mc.bridge.adapters import read_peft_adapter
 from rlhf_mc.config import ConfigError, ModelConfig, RouterConfig, import_by_path
 from rlhf_mc.data.dataset import DATA_SUFFIXES
 from rlhf_mc.models.lora import adapter_numel, check_lora
+from rlhf_mc.trainer.memory import GIB, MemoryEstimate, estimate_memory
 from rlhf_mc.trainer.recipe import PATHS, Recipe, TrainSection
 
 
@@ -40,6 +41,7 @@ class Plan:
     engines: list[tuple[int, int]]  # launched engines: (first device slot, TP size)
     placement: list[dict]  # one row per device: node, device index, roles
     lora: str = ""  # the actor's adapters, in words (empty: full fine-tuning)
+    memory: MemoryEstimate | None = None  # per GPU (GPU runs only)
 
     @property
     def engines_release_memory(self) -> bool:
@@ -67,7 +69,7 @@ class Plan:
                 *([f"LoRA: {self.lora}"] if self.lora else []),
                 "placement:"]
         rows += [f"  node {p['node']} device {p['device']}: {', '.join(p['roles'])}" for p in self.placement]
-        return rows
+        return rows + (self.memory.lines() if self.memory else [])
 
 
 def _in_section(prefix: str, check, *args):
@@ -254,6 +256,9 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
             roles.append(f"rollout engine {engine_slot // engine.tp} tp rank {engine_slot % engine.tp}")
         placement.append({"node": d // res.devices_per_node, "device": d % res.devices_per_node, "roles": roles})
     epochs = recipe.actor.ppo_epochs
+    gpu = None
+    if device == "cuda":
+        gpu = res.gpu_memory_gib * GIB or _local_gpu_bytes()
     return Plan(device=device, devices=devices, actor_world=actor_world, actor_dp=recipe.actor.parallel.dp(actor_world),
                 rollout_devices=rollout_devices, critic_world=critic_world if recipe.uses_critic else 0,
                 ref_world=ref_world, reward_world=reward_world,
@@ -263,7 +268,15 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 old_logprobs_from_update=recipe.old_logprobs_from_update, max_sequence_tokens=longest,
                 context_length=context,
                 sync_transport=transport, colocated=colocated and not attached, tp_groups=tp_groups, engines=engines,
-                placement=placement, lora=_lora_line(recipe, model, transport))
+                placement=placement, lora=_lora_line(recipe, model, transport),
+                memory=estimate_memory(recipe, model, actor_world, colocated and not attached, gpu)
+                if device == "cuda" else None)
+
+
+def _local_gpu_bytes() -> int | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
 def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool, device: str) -> bool:

@@ -402,9 +402,13 @@ class ResourcesSection:
     nodes: int = 1
     devices_per_node: int = 1  # GPUs per node; on a machine without GPUs, processes (each given one CPU by Ray)
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    # one GPU's memory, for the plan's memory estimate (trainer/memory.py); 0: this machine's first GPU, if any
+    gpu_memory_gib: float = 0.0
 
     def __post_init__(self):
         check_at_least(self, 1, "nodes", "devices_per_node")
+        if self.gpu_memory_gib < 0:
+            raise ConfigError(f"gpu_memory_gib: must be >= 0, got {self.gpu_memory_gib}")
 
 
 @dataclasses.dataclass(frozen=True)
