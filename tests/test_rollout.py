@@ -17,7 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlhf_mc.rollout.base import SamplingParams
 from rlhf_mc.rollout.sglang_engine import (INCONSISTENT_VERSION, KV_CACHE_TAGS, LAUNCH_VERSION, WEIGHTS_TAGS,
@@ -226,12 +225,51 @@ def test_tokens_between_the_buckets_of_an_update_claim_no_version(sglang_engine,
 
 def test_update_from_distributed(sglang_engine, new_weights, restore_launch_weights):
     model = _hf(new_weights)
-    group = sglang_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
+    sglang_engine.connect_weight_group("127.0.0.1", free_port(), backend="gloo")
     tensors = list(model.state_dict().items())
-    sglang_engine.update_weights_from_distributed([tensors[:10], tensors[10:]],  # two buckets
-                                                  lambda flat: dist.broadcast(flat, src=0, group=group), version=4,
-                                                  num_buckets=2)
+    sglang_engine.update_weights_from_distributed([tensors[:10], tensors[10:]], version=4, num_buckets=2)  # 2 buckets
     _assert_greedy_matches(sglang_engine, model, 4)
+
+
+def test_a_refused_broadcast_fails_at_once_and_the_next_group_replaces_it(sglang_engine, new_weights,
+                                                                           restore_launch_weights):
+    """An engine asked to receive over a group it does not have refuses the bucket before the broadcast (an HTTP
+    400) and never joins it, so the broadcast cannot complete: rank 0 aborts it as soon as the refusal arrives, not
+    at the group's timeout, 120 s here (SGLangEngine._broadcast; the client is attached, so nothing restarts the
+    engine). A new group carries the weights, and the next one leaves it on both sides."""
+    import requests
+    import torch.distributed as dist
+
+    from rlhf_mc.config import RolloutConfig
+    from rlhf_mc.rollout.sglang_engine import EngineDown, SGLangEngine
+
+    model = _hf(new_weights)
+    tensors = list(model.state_dict().items())
+    url = sglang_engine.urls[0]
+    client = SGLangEngine(RolloutConfig(addresses=(url.removeprefix("http://"),), request_timeout_s=60))
+    group = client.connect_weight_group("127.0.0.1", free_port(), group_name="ours")
+    client._weight_group = ("theirs", group)  # the engine joined "ours": it has no group of that name
+    start = time.monotonic()
+    with pytest.raises(EngineDown) as failed:  # an attached engine cannot be restarted from here
+        client.update_weights_from_distributed([tensors], version=9, num_buckets=1)
+    assert time.monotonic() - start < 15, "the broadcast waited for the group's timeout"
+    assert "/update_weights_from_distributed: HTTP 400" in str(failed.value.__context__), failed.value.__context__
+    client.end_weight_update(0, LAUNCH_VERSION)  # what the restart would have closed
+    requests.post(f"{url}/destroy_weights_update_group", json={"group_name": "ours"}, timeout=30).raise_for_status()
+
+    second = client.connect_weight_group("127.0.0.1", free_port(), group_name="second")
+    client.update_weights_from_distributed([tensors[:10], tensors[10:]], version=9, num_buckets=2)
+    _assert_greedy_matches(sglang_engine, model, 9)
+    def groups_left() -> int:
+        log = sglang_engine.servers[0].log_path.read_text(errors="replace")
+        return log.count('/destroy_weights_update_group HTTP/1.1" 200')
+
+    left = groups_left()
+    client.connect_weight_group("127.0.0.1", free_port(), group_name="third")
+    assert groups_left() == left + 1
+    with pytest.raises(ValueError):  # not a group of this process any more
+        dist.get_backend(second)
+    client.leave_weight_group()
 
 
 def test_update_from_disk(sglang_engine, new_weights, restore_launch_weights):

@@ -9,7 +9,7 @@ the distribution the token was sampled from.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Literal, Protocol
+from typing import Iterable, Literal, Protocol
 
 import torch
 
@@ -71,10 +71,10 @@ class RolloutEngine(Protocol):
     def update_weights_from_tensors(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> None:
         """Colocated: HF-named tensors handed to the engines on the same machine."""
 
-    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                        broadcast: Callable[[torch.Tensor], None], version: int) -> None:
-        """Disaggregated: the engines receive each bucket, flattened into one tensor, while `broadcast(flat)` sends
-        it over the weight group (see the implementation for how the group is set up)."""
+    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
+                                        num_buckets: int) -> None:
+        """Disaggregated: the engines receive each bucket, flattened into one tensor, broadcast over the weight
+        group (see the implementation for how the group is set up)."""
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Fallback: the engines reload an HF checkpoint directory."""

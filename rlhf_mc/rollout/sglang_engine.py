@@ -26,11 +26,13 @@ from __future__ import annotations
 import atexit
 import base64
 import collections
+import contextlib
 import datetime
 import json
 import logging
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -40,11 +42,13 @@ import dataclasses
 import numpy as np
 import requests
 import torch
+import torch.distributed as dist
 
 from rlhf_mc.config import ConfigError, RolloutConfig
 from rlhf_mc.rollout import cpu
 from rlhf_mc.rollout.base import RolloutSample, SamplingParams
 from rlhf_mc.rollout.sglang_server import LORA_NAME, ServerProcess
+from rlhf_mc.runtime import host
 from rlhf_mc.runtime.spawn import free_port
 
 log = logging.getLogger(__name__)
@@ -218,7 +222,8 @@ class SGLangEngine:
         self.on_restart: Callable[[int], None] | None = None  # runs after a restart, before requests are retried
         self.stats: collections.Counter = collections.Counter()
         self._disk_weights: tuple[str, int] | None = None  # last update from disk, re-applied after a restart
-        self._weight_group: str | None = None  # name of the broadcast group (connect_weight_group)
+        self._weight_group: tuple[str, object] | None = None  # (name, process group): connect_weight_group
+        self._aborted_groups: list = []  # kept: a gloo group is freed only once its pending broadcast times out
         self._inflight = [0] * len(self.urls)
         self._restarts = [0] * len(self.urls)
         self._restart_locks = [threading.Lock() for _ in self.urls]
@@ -526,9 +531,11 @@ class SGLangEngine:
     def connect_weight_group(self, master_address: str, master_port: int, backend: str = "gloo",
                              group_name: str = "rlhf_mc_weights"):
         """Disaggregated: a process group between the caller (rank 0) and every engine rank (ranks 1..), for
-        update_weights_from_distributed. Returns the caller's group."""
+        update_weights_from_distributed, formed once every engine has joined it; the previous group, if any, is left
+        first on both sides. Returns the caller's group."""
         from sglang.srt.utils import init_custom_process_group
 
+        self.leave_weight_group()
         world_size = 1 + sum(self.engine_tp)
         threads = []
         for engine in range(len(self.urls)):
@@ -537,22 +544,67 @@ class SGLangEngine:
                        "group_name": group_name, "backend": backend}
             threads.append(self._in_thread(
                 lambda e=engine, p=payload: self._call(e, "POST", "/init_weights_update_group", p)))
-        group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-                                          world_size=world_size, rank=0, group_name=group_name,
-                                          timeout=datetime.timedelta(seconds=self.cfg.request_timeout_s))
+        # Longer than a broadcast may take (_broadcast's deadline), so that the group is aborted by us, not by NCCL's
+        # watchdog, whose default on error ends the process; errors it finds only clean the group up.
+        timeout = datetime.timedelta(seconds=self.cfg.request_timeout_s + 60)
+        with host.environ(TORCH_NCCL_ASYNC_ERROR_HANDLING="2", TORCH_NCCL_DUMP_ON_TIMEOUT="0"):
+            group = init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
+                                              world_size=world_size, rank=0, group_name=group_name, timeout=timeout)
         for thread in threads:
             thread.join_or_raise()
-        self._weight_group = group_name
+        self._weight_group = (group_name, group)
         return group
 
-    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]],
-                                        broadcast: Callable[[torch.Tensor], None], version: int,
-                                        num_buckets: int) -> None:
-        """Every engine receives each bucket as one flattened tensor (the `flattened_bucket` load format) while
-        `broadcast(flat)` sends it from rank 0 of the weight group (connect_weight_group). `buckets` may be a
-        stream (one bucket alive at a time): `num_buckets` says which is the last."""
+    def leave_weight_group(self) -> None:
+        """Every engine and this process leave the weight group (SGLang keeps each group an engine joined, and its
+        communicator, until told): before another is formed. An engine restarted since never had it (its refusal is
+        ignored)."""
         if self._weight_group is None:
-            raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first")
+            return
+        name, group = self._weight_group
+        for engine in range(len(self.urls)):
+            with contextlib.suppress(requests.RequestException, RuntimeError):
+                self._call(engine, "POST", "/destroy_weights_update_group", {"group_name": name})
+        dist.destroy_process_group(group)
+        self._weight_group = None
+
+    def _abort_weight_group(self) -> None:
+        """After a failed broadcast: NCCL's communicator aborted, which ends the collective this GPU's stream waits
+        on; a gloo group's pending broadcast ends at the group's timeout, in its own thread. Either way the group is
+        not used again, and the engines are restarted (_update_all): what survives is this process, its other
+        groups (the trainer's own), its CUDA context and its training state."""
+        _, group = self._weight_group
+        if dist.get_backend(group) == "nccl":
+            dist.distributed_c10d._abort_process_group(group)
+        self._aborted_groups.append(group)
+        self._weight_group = None
+
+    def _broadcast(self, flat: torch.Tensor, receivers: list["_Call"]) -> None:
+        """Rank 0's side of one bucket's broadcast, which every engine joins in its `receivers` call. An engine that
+        refuses the bucket answers at once without joining (a group it does not have, no open session, a bad layout:
+        SGLang checks these before it receives); one that dies never joins. The collective then never completes: on
+        NCCL a plain broadcast would leave this GPU's stream waiting on it until the watchdog ended the process, on
+        gloo it fails at the group's timeout. So the broadcast runs asynchronously and is watched: a receiver's
+        error, or the request timeout, aborts the group (_abort_weight_group) and raises."""
+        work = dist.broadcast(flat, src=0, group=self._weight_group[1], async_op=True)
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while not work.is_completed():
+            refused = next((r for r in receivers if not r.is_alive() and r.error is not None), None)
+            if refused is not None or time.monotonic() > deadline:
+                self._abort_weight_group()
+                raise refused.error if refused else TimeoutError(
+                    f"the weight broadcast did not complete within {self.cfg.request_timeout_s:.0f} s")
+            time.sleep(0.001)
+        work.wait()
+
+    def update_weights_from_distributed(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int,
+                                        num_buckets: int) -> None:
+        """Every engine receives each bucket as one flattened tensor (the `flattened_bucket` load format), broadcast
+        from rank 0 of the weight group (connect_weight_group). `buckets` may be a stream (one bucket alive at a
+        time): `num_buckets` says which is the last."""
+        if self._weight_group is None:
+            raise RuntimeError("update_weights_from_distributed needs connect_weight_group() first (a failed "
+                               "broadcast aborts the group: form another)")
         engines = range(len(self.urls))
 
         def send() -> None:
@@ -562,16 +614,15 @@ class SGLangEngine:
                 flat, metadata = flatten_bucket(bucket)
                 payload = {"names": [m.name for m in metadata],
                            "dtypes": [str(m.dtype).removeprefix("torch.") for m in metadata],
-                           "shapes": [list(m.shape) for m in metadata], "group_name": self._weight_group,
+                           "shapes": [list(m.shape) for m in metadata], "group_name": self._weight_group[0],
                            "load_format": "flattened_bucket", **self._bucket_labels(version, b == num_buckets - 1)}
                 calls = [self._in_thread(lambda e=engine: self._call(e, "POST", "/update_weights_from_distributed",
                                                                      payload))
                          for engine in engines]
-                try:
-                    broadcast(flat)  # a receiver that refused makes this time out, not hang
-                finally:
-                    for call in calls:
-                        call.join_or_raise()
+                # on a failure raises at once: the calls of the other engines end as _update_all restarts them
+                self._broadcast(flat, calls)
+                for call in calls:
+                    call.join_or_raise()
             for engine in engines:
                 self.end_weight_update(engine, version)
 

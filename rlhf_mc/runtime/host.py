@@ -134,11 +134,16 @@ def exec_env(inherited: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
 def children_as_cpu_ranks(**extra: str):
     """Processes started inside (they inherit the environment at start) get exec_env and `extra`; the caller's
     environment is restored after."""
-    changes = {**exec_env(os.environ), **extra}
+    return environ(**{**exec_env(os.environ), **extra})
+
+
+@contextlib.contextmanager
+def environ(**changes: str):
+    """This process's environment with `changes` inside the block (what libraries read at a call, and processes
+    started there), restored after."""
     before = {name: os.environ.get(name) for name in changes}
     os.environ.update(changes)
     try:

@@ -267,22 +267,22 @@ class Broadcast(_FromRankZero):
     def __init__(self, addresses: list[str], master_address: str):
         super().__init__(addresses)
         self.master_address = master_address
-        self.group, self.groups_formed = None, 0
+        self.groups_formed = 0
         self.reconnect()
 
     def reconnect(self) -> None:
-        """(Re)forms the weight group with every engine rank: at start, and after an engine was restarted."""
+        """(Re)forms the weight group with every engine rank: at start, and after an engine was restarted (the old
+        group is left on both sides first, or was aborted by the failed broadcast that restarted the engines)."""
         from rlhf_mc.runtime.spawn import free_port
 
         if self.client is not None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             self.groups_formed += 1  # a new name: engines that kept the old group must not mix the two up
-            self.group = self.client.connect_weight_group(self.master_address, free_port(), backend=backend,
-                                                          group_name=f"rlhf_mc_weights_{self.groups_formed}")
+            self.client.connect_weight_group(self.master_address, free_port(), backend=backend,
+                                             group_name=f"rlhf_mc_weights_{self.groups_formed}")
 
     def _send(self, buckets: Buckets, num_buckets: int, version: int) -> None:
-        self.client.update_weights_from_distributed(
-            buckets, lambda flat: dist.broadcast(flat, src=0, group=self.group), version, num_buckets)
+        self.client.update_weights_from_distributed(buckets, version, num_buckets)
 
 
 class Disk(_FromRankZero):
