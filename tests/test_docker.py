@@ -57,3 +57,38 @@ def test_dockerfile_lint_and_copies():
 def test_entrypoint_help():
     result = subprocess.run(["bash", str(REPO / "docker/entrypoint.sh"), "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "head" in result.stdout and "launch RECIPE" in result.stdout
+
+
+def test_image_builds_on_sglangs_release_image():
+    """What kept the image from building (issue 52, item 1): the base is SGLang's release image for the pinned
+    SGLang, whose torch its kernels are built against (not NVIDIA's PyTorch image and its global constraint), with
+    its torch stack kept; Transformer Engine built against it; no apex; uid 1000 taken as the base has it (Ubuntu
+    24.04's `ubuntu`) and the repository folder owned by it; tests/ and bench/ in the image for tools/gpu_check.sh."""
+    text = (REPO / "Dockerfile").read_text()
+    assert f"ARG BASE_IMAGE=lmsysorg/sglang:v{_pins()['sglang']}-cu130" in text
+    assert "nvcr.io" not in text and "apex" not in text.replace("No apex", "")
+    constraint = re.search(r"pip freeze \| grep -iE '\^\(([^)]*)\)==' > /etc/pip-base-constraints.txt", text)
+    assert constraint and constraint.group(1).split("|") == ["torch", "torchvision", "torchaudio", "triton"]
+    assert "--no-build-isolation" in text and "TransformerEngine.git@v${TE_VERSION}" in text
+    assert all("--constraint /etc/pip-base-constraints.txt" in line for line in text.splitlines()
+               if re.search(r"\bpip install\b", line))
+    assert "id -u 1000 >/dev/null 2>&1 || useradd" in text and "chown 1000:1000 /opt/rlhf_mc runs" in text
+    assert "WORKDIR /opt/rlhf_mc" in text and text.rstrip().splitlines()[-5] == "USER 1000"
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert "tests" not in ignored and "bench" not in ignored
+    docs = (REPO / "docs/multi_node.md").read_text()
+    assert "lmsysorg/sglang" in docs and "nvcr.io" not in docs and "docker/smoke.sh" in docs
+
+
+def test_smoke_commands_in_order():
+    """docker/smoke.sh prints the build and GPU smoke steps in order, and every file they run exists."""
+    out = subprocess.run(["bash", str(REPO / "docker/smoke.sh"), "img"], capture_output=True, text=True, check=True)
+    steps = [line.split(". ", 1)[1] for line in out.stdout.splitlines() if re.match(r"# \d+\. ", line)]
+    assert [s.split(":")[0].split(" (")[0] for s in steps] == [
+        "build", "import check", "the prepared GPU check", "Transformer Engine's spec against the local spec",
+        "one SGLang server with the memory saver", "colocated sync over CUDA IPC", "NCCL broadcast sync",
+        "a tiny colocated trainer run on 2 GPUs, each GPU's memory logged every 2 s beside it",
+        "the parallel layouts on NCCL", "two nodes"]
+    for path in set(re.findall(r"\b((?:tests|tools|recipes)/\S+\.(?:py|sh|yaml))", out.stdout)):
+        assert (REPO / path).is_file(), path
+    assert "docker build -t img ." in out.stdout
