@@ -23,6 +23,9 @@ from tests.gpu.conftest import gpus
 
 pytest.importorskip("sglang", reason="SGLang is not installed here (it is in the Docker image)")
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [200, 3]]
+# The tiny model's head_dim is 16: SGLang's default backend on Hopper (fa3) takes head dims of 64 and up; the triton
+# backend takes it (SGLang's own tests of small models run it).
+BACKEND = ("--attention-backend", "triton")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def engine(model_dir, tmp_path_factory):
     from rlhf_mc.config import RolloutConfig
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="bfloat16", mem_fraction_static=0.3),
+    engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="bfloat16", mem_fraction_static=0.3,
+                                        extra_args=BACKEND),
                           log_dir=tmp_path_factory.mktemp("sglang_gpu_logs"), memory_saver=True)
     yield engine
     engine.shutdown()
@@ -109,7 +113,8 @@ def test_nccl_broadcast_sync(model_dir, tmp_path):
 
     os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # the engine's device; the actor's rank takes GPU 0 below
     try:
-        engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="bfloat16", mem_fraction_static=0.3),
+        engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), dtype="bfloat16", mem_fraction_static=0.3,
+                                            extra_args=BACKEND),
                               log_dir=tmp_path)
     finally:
         os.environ.pop("CUDA_VISIBLE_DEVICES")
@@ -126,7 +131,8 @@ def test_fixed_seed_reproduces_samples(model_dir, tmp_path):
     from rlhf_mc.config import RolloutConfig
     from rlhf_mc.rollout.sglang_engine import SGLangEngine
 
-    engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), deterministic=True, mem_fraction_static=0.3),
+    engine = SGLangEngine(RolloutConfig(model_path=str(model_dir), deterministic=True, mem_fraction_static=0.3,
+                                        extra_args=BACKEND),
                           log_dir=tmp_path)
     try:
         sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=7)

@@ -1,7 +1,8 @@
-"""The Transformer Engine layer spec against the local spec (same weights, fp32): equal logits at TP=1, and at TP=2
-with sequence parallelism (on with TE at TP > 1) through the packed log-prob path (sequences padded to a multiple of
-TP), and the mixture-of-experts families against transformers. Runs where TE imports (GPU machines, the Docker
-image); skipped elsewhere."""
+"""The Transformer Engine layer spec against the local spec (same weights): equal fp32 logits at TP=1; at TP=2 with
+sequence parallelism (on with TE at TP > 1), in bf16, through the packed log-prob path (sequences padded to a multiple
+of TP, THD input: TE's fused attention, which has no fp32 kernel, so fp32 with TE takes our core attention), no
+farther from the fp32 local spec than the bf16 local spec is; and the mixture-of-experts families against
+transformers. Runs where TE imports (GPU machines, the Docker image); skipped elsewhere."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_te_spec_matches_local_spec(tmp_path):
     assert (local - te).abs().max().item() < 1e-4
 
 
-def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
+def _logprobs(tp: int, use_te: bool, ckpt: str, dtype: str) -> list[torch.Tensor] | None:
     from rlhf_mc.models.checkpoint import load_model
     from rlhf_mc.models.gpt import build_model
     from rlhf_mc.runtime import init_parallel
@@ -48,7 +49,7 @@ def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
     from rlhf_mc.workers.policy import compute_log_prob
 
     init_parallel(ParallelConfig(tp=tp), seed=3)
-    chunks = build_model(MODEL, ParallelConfig(tp=tp), use_te=use_te)
+    chunks = build_model(MODEL, ParallelConfig(tp=tp), dtype=dtype, use_te=use_te, init_weights=False)
     assert chunks[0].config.sequence_parallel == (use_te and tp > 1)
     load_model(chunks, Path(ckpt) / "weights")
     g = torch.Generator().manual_seed(1)
@@ -60,10 +61,11 @@ def _logprobs(tp: int, use_te: bool, ckpt: str) -> list[torch.Tensor] | None:
 @pytest.mark.skipif(gpus() < 2, reason="TP=2 needs two GPUs")
 def test_sequence_parallel_te_spec_matches_local_spec(tmp_path):
     spawn(_logits, 1, False, str(tmp_path), True)  # writes the weights
-    local = spawn(_logprobs, 1, 1, False, str(tmp_path))[0]
-    sequence_parallel = spawn(_logprobs, 2, 2, True, str(tmp_path))[0]
-    for a, b in zip(local, sequence_parallel):
-        assert (a - b).abs().max().item() < 1e-4
+    reference = torch.cat(spawn(_logprobs, 1, 1, False, str(tmp_path), "float32")[0])
+    local = torch.cat(spawn(_logprobs, 1, 1, False, str(tmp_path), "bfloat16")[0])
+    sequence_parallel = torch.cat(spawn(_logprobs, 2, 2, True, str(tmp_path), "bfloat16")[0])
+    local_gap, te_gap = (local - reference).abs().mean().item(), (sequence_parallel - reference).abs().mean().item()
+    assert te_gap <= 1.5 * local_gap + 1e-3, (te_gap, local_gap)
 
 
 def _te_moe(hf_dir: str) -> dict:
