@@ -66,20 +66,9 @@ def test_cpu_ranks_get_mkl_avx512_kernels_on_amd():
 
 
 @mkl_vendor_shim
-def test_local_ray_workers_get_mkl_avx512_kernels_on_amd():
+def test_local_ray_workers_get_mkl_avx512_kernels_on_amd(local_ray_rank):
     """The trainer's ranks are Ray workers: a local CPU instance starts them with the same library."""
-    import types
-
-    import ray
-
-    from rlhf_mc.trainer.placement import start_ray
-
-    try:
-        start_ray(None, types.SimpleNamespace(device="cpu", devices=1))
-        branch, error = ray.get(ray.remote(_mkl_branch_and_error).remote())
-    finally:
-        ray.shutdown()
-    assert branch == _best_mkl_branch() and error < 1e-5
+    assert local_ray_rank["mkl"][0] == _best_mkl_branch() and local_ray_rank["mkl"][1] < 1e-5
 
 
 def test_tools_refuse_cuda_without_a_gpu_per_rank(tmp_path):
@@ -95,10 +84,12 @@ def test_tools_refuse_cuda_without_a_gpu_per_rank(tmp_path):
         "error: 2 ranks need 2 GPUs, this machine has 0"
 
 
-RAY_TENSORS = """
-import sys, types
+# A driver process without megatron-core: a local Ray instance (trainer/placement.start_ray) and one rank of it
+LOCAL_RAY_RANK = """
+import json, sys, types
 import ray, torch
 from rlhf_mc.trainer.placement import start_ray
+from tests.test_spawn import _mkl_branch_and_error
 
 def tensors():
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
@@ -111,28 +102,35 @@ def rank(sent):
     from rlhf_mc.runtime import ray_tensors
     ray_tensors.register()  # as every ModelWorker does
     sent["float32"].add_(1)  # what the driver sent arrives writable
-    return sent["float32"], tensors()
+    return _mkl_branch_and_error(), sent["float32"], tensors()
 
 start_ray(None, types.SimpleNamespace(device="cpu", devices=1))
-moved, got = ray.get(rank.remote(tensors()))
+mkl, moved, got = ray.get(rank.remote(tensors()))
 ray.shutdown()
 want = tensors()
-assert torch.equal(moved, want["float32"] + 1)
-for name, t in want.items():
-    assert got[name].dtype == t.dtype and torch.equal(got[name], t.detach()), name
-assert "megatron" not in sys.modules, "the driver imported megatron-core to read a rank's tensors"
-print("ok")
+print(json.dumps({"mkl": mkl, "moved": torch.equal(moved, want["float32"] + 1),
+                  "equal": {k: t.dtype == got[k].dtype and torch.equal(got[k], t.detach()) for k, t in want.items()},
+                  "megatron_in_driver": "megatron" in sys.modules}))
 """
 
 
-def test_tensors_cross_ray_without_megatron_in_the_driver():
-    """A rank (a Ray worker that imported megatron-core, which replaces torch's loader of pickled storages) gets the
-    driver's tensors writable and returns tensors of several dtypes and layouts: the driver, a process without
-    megatron-core, reads them equal without importing it (runtime/ray_tensors.py; it took 3.1 s of every run)."""
+@pytest.fixture(scope="module")
+def local_ray_rank() -> dict:
+    """What a rank of a local Ray instance, started as the trainer starts it, reports and returns."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    result = subprocess.run([sys.executable, "-c", RAY_TENSORS], cwd=Path(__file__).resolve().parents[1],
+    result = subprocess.run([sys.executable, "-c", LOCAL_RAY_RANK], cwd=Path(__file__).resolve().parents[1],
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tensors_cross_ray_without_megatron_in_the_driver(local_ray_rank):
+    """A rank (a Ray worker that imported megatron-core, which replaces torch's loader of pickled storages) gets the
+    driver's tensors writable and returns tensors of several dtypes and layouts: the driver, a process without
+    megatron-core, reads them equal without importing it (runtime/ray_tensors.py; it took 3.1 s of every run)."""
+    assert local_ray_rank["moved"] and all(local_ray_rank["equal"].values()), local_ray_rank
+    assert not local_ray_rank["megatron_in_driver"], "the driver imported megatron-core to read a rank's tensors"

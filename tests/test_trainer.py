@@ -141,9 +141,9 @@ def _kill_server_mid_rollout(proc: subprocess.Popen, out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_crash_recovery_stop_and_resume(tmp_path):
+def test_crash_recovery_stop_and_resume(ray_address, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    proc = _start(straight)
+    proc = _start(straight, ARGS, ray_address)
     _kill_server_mid_rollout(proc, straight)
     _finish(proc, straight)
     log = straight.with_suffix(".log").read_text()
@@ -152,8 +152,9 @@ def test_crash_recovery_stop_and_resume(tmp_path):
                 (straight / "metrics.jsonl").read_text().splitlines()]
     assert max(r for r in restarts if r is not None) == 1
 
-    # Killed with SIGKILL (its whole session) while it writes its step-4 checkpoint (its second: the step-2 one is
-    # complete). A stop by signal, which finishes the step and leaves nothing behind, is tests/test_shutdown.py's.
+    # Killed with SIGKILL (its whole session: on a local Ray instance of its own) while it writes its step-4
+    # checkpoint (its second: the step-2 one is complete). A stop by signal, which finishes the step and leaves
+    # nothing behind, is tests/test_shutdown.py's.
     proc = _start(resumed)
     writing = resumed / "checkpoints" / "step_000004.tmp"
     _wait_for(proc, resumed, writing.exists, "step-4 checkpoint write")
@@ -162,7 +163,7 @@ def test_crash_recovery_stop_and_resume(tmp_path):
     assert (resumed / "checkpoints" / "step_000002" / "trainer_state.json").exists()
 
     # Relaunched again: the partial checkpoint is removed, the run resumes from step 2 and completes.
-    _finish(_start(resumed), resumed)
+    _finish(_start(resumed, ARGS, ray_address), resumed)
     log = resumed.with_suffix(".log").read_text()
     assert "removed" in log and "step_000004.tmp" in log
     resumed_from = [int(part.split("at step ")[1].split()[0]) for part in log.split("resumed from")[1:]]
