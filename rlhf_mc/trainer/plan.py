@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import subprocess
 from pathlib import Path
 
 from rlhf_mc.bridge.adapters import read_peft_adapter
@@ -274,9 +275,14 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
 
 
 def _local_gpu_bytes() -> int | None:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    """This machine's first GPU's memory, as nvidia-smi reports it (torch would make a CUDA context in the launcher,
+    on the GPU the first rank and engine use); None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 and out.stdout.strip() else None
 
 
 def _adapter_sync(recipe: Recipe, model: ModelConfig, attached: bool, device: str) -> bool:
