@@ -7,7 +7,8 @@ lent GPU machine: one GPU, no SGLang, Ray or Transformer Engine needed):
 - logprob_memory: peak device memory of compute_log_prob over one long sequence against the bytes of its full fp32
   logits (what a log_softmax over the whole vocabulary holds);
 - offload: seconds to move the training state to pinned host memory and back, GB/s, and the device memory freed
-  (torch.cuda.mem_get_info) against the state's bytes;
+  (torch.cuda.mem_get_info) against the state's bytes; and the plan's memory estimate of that rank's state
+  (trainer/memory.py) against what the step left allocated;
 - ipc_handover: a flattened weight bucket handed to another process over CUDA IPC and copied into its own tensor
   there (what an engine does with a colocated sync payload) against a device-to-device copy of the same bytes;
 - rl_logprob / rl_update: the GPU side of bench/ref_logprob.py and of bench/grpo_step.py's update phase, on an RL
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import emit, transformers_model  # noqa: E402
 from rlhf_mc.config import ModelConfig, OptimizerConfig, ParallelConfig  # noqa: E402
 from rlhf_mc.runtime.spawn import spawn  # noqa: E402
+from rlhf_mc.trainer.memory import trained_role  # noqa: E402
+from rlhf_mc.trainer.recipe import TrainSection  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,6 +120,8 @@ def offload_figures(model: ModelConfig) -> dict:
     state = setup_training(chunks, OptimizerConfig(lr=1e-5))
     sft_step(state, Trajectories.single_turn([torch.randint(0, model.vocab_size, (1024,)) for _ in range(2)],
                                              [512] * 2), 2048)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()  # the training state, and what the step left cached for the next
     saved, out = [], {"offload_s": [], "reload_s": [], "freed": []}
     for _ in range(3):
         torch.cuda.synchronize()
@@ -129,7 +134,7 @@ def offload_figures(model: ModelConfig) -> dict:
         reload(saved)
         out["reload_s"].append(time.perf_counter() - start)
     copied = sum(nbytes for _, nbytes, host in saved if host is not None)
-    return {"state_bytes": sum(nbytes for _, nbytes, _ in saved), "copied_bytes": copied,
+    return {"state_bytes": sum(nbytes for _, nbytes, _ in saved), "copied_bytes": copied, "allocated_bytes": allocated,
             "freed_bytes": min(out["freed"]), "offload_s": statistics.median(out["offload_s"][1:]),
             "first_offload_s": out["offload_s"][0], "reload_s": statistics.median(out["reload_s"])}
 
@@ -289,6 +294,11 @@ def main() -> None:
         (r,) = spawn(offload_figures, 1, model, device="cuda")
         emit(bench="gpu_figures", figure="offload_freed_mb", value=round(r["freed_bytes"] / 2**20),
              baseline=round(r["state_bytes"] / 2**20), ratio=round(r["freed_bytes"] / r["state_bytes"], 3))
+        # the plan's estimate of the same rank's state (trainer/memory.py) against what the step left allocated
+        estimate = trained_role("actor", TrainSection(), model, "bfloat16", 1).total
+        emit(bench="gpu_figures", figure="memory_estimate_mb", model=name, value=round(estimate / 2**20),
+             baseline="torch.cuda.memory_allocated after a step", baseline_mb=round(r["allocated_bytes"] / 2**20),
+             ratio=round(r["allocated_bytes"] / estimate, 3), offloaded_state_mb=round(r["state_bytes"] / 2**20))
         emit(bench="gpu_figures", figure="offload_seconds", offload=round(r["offload_s"], 3),
              reload=round(r["reload_s"], 3), first_offload=round(r["first_offload_s"], 3),
              gb_per_s=round(r["copied_bytes"] / 2**30 / r["offload_s"], 1))

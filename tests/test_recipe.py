@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf_mc.config import ConfigError
+from rlhf_mc.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig
 from rlhf_mc.trainer.plan import make_plan
 from rlhf_mc.trainer.recipe import apply_overrides, load_recipe, model_config
 
@@ -159,6 +159,46 @@ def test_memory_estimate_per_gpu_by_hand():
     assert kept.lines()[-1].startswith("WARNING: 79.7 GiB exceeds the 79.6 GiB GPU; set actor.offload=true")
     quickstart = load_recipe(QUICKSTART)  # on CPU the ranks and engines share host memory: no per-GPU estimate
     assert make_plan(quickstart, model_config(quickstart), cuda=False).memory is None
+
+
+def _megatron_state_bytes(dtype: str) -> dict:
+    """What a rank of the tiny Llama at DP=2 holds after a step: its weights, its fp32 main gradients, and the
+    distributed optimizer's shard of Adam's moments and (16-bit models) fp32 master weights."""
+    from rlhf_mc.data.trajectory import Trajectories
+    from rlhf_mc.models.gpt import build_model
+    from rlhf_mc.optim import setup_training
+    from rlhf_mc.runtime import init_parallel
+    from rlhf_mc.workers.train import sft_step
+
+    model = ModelConfig.from_yaml(REPO / "model_configs" / "tiny-llama.yaml")
+    init_parallel(ParallelConfig(), seed=0)
+    chunks = build_model(model, ParallelConfig(), dtype=dtype)
+    state = setup_training(chunks, OptimizerConfig(lr=1e-5))
+    sft_step(state, Trajectories.single_turn([torch.randint(0, model.vocab_size, (16,)) for _ in range(2)], [8] * 2),
+             64)
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = 0
+    for opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer]):
+        optimizer += sum(size(v) for s in opt.optimizer.state.values() for v in s.values() if v.dim() > 0)
+        if dtype == "bfloat16":  # fp32 masters copied from the bf16 weights (fp32 models' shards are views of them)
+            optimizer += sum(size(p) for group in opt.optimizer.param_groups for p in group["params"])
+    return {"weights": sum(size(p) for p in params), "grads": sum(size(p.main_grad) for p in params),
+            "optimizer": optimizer}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_memory_estimate_equals_megatrons_buffers(dtype):
+    """The estimate of a trained role against the tensors Megatron allocated on each of two data-parallel ranks."""
+    from rlhf_mc.runtime.spawn import spawn
+    from rlhf_mc.trainer.memory import trained_role
+    from rlhf_mc.trainer.recipe import TrainSection
+
+    model = ModelConfig.from_yaml(REPO / "model_configs" / "tiny-llama.yaml")
+    estimate = trained_role("actor", TrainSection(), model, dtype, 2)
+    ranks = spawn(_megatron_state_bytes, 2, dtype)
+    assert [(r["weights"], r["grads"]) for r in ranks] == [(estimate.weights, estimate.grads)] * 2
+    assert sum(r["optimizer"] for r in ranks) == 2 * estimate.optimizer
 
 
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if load_recipe(r).resources.device == "cuda"],

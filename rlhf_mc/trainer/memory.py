@@ -50,7 +50,8 @@ class RoleMemory:
         return self.weights + self.grads + self.optimizer
 
 
-def _trained(role: str, section: TrainSection, model: ModelConfig, dtype: str, world: int) -> RoleMemory:
+def trained_role(role: str, section: TrainSection, model: ModelConfig, dtype: str, world: int) -> RoleMemory:
+    """A trained role's bytes on one of its `world` ranks."""
     weights = _per_rank(model, section.parallel) * _bytes(dtype)
     trained = _per_rank(model, section.parallel)
     if section.lora.enabled:  # the base frozen: gradients and Adam for the adapters alone
@@ -114,9 +115,9 @@ class MemoryEstimate:
 def estimate_memory(recipe: Recipe, model: ModelConfig, actor_world: int, colocated: bool, gpu: float | None
              ) -> MemoryEstimate:
     dtype = recipe.model.dtype
-    roles = [_trained("actor", recipe.actor, model, dtype, actor_world)]
+    roles = [trained_role("actor", recipe.actor, model, dtype, actor_world)]
     if recipe.uses_critic:
-        roles.append(_trained("critic", recipe.critic, model, dtype, actor_world))
+        roles.append(trained_role("critic", recipe.critic, model, dtype, actor_world))
     if recipe.uses_reference and recipe.ref.placement == "separate":
         roles.append(RoleMemory("reference", _per_rank(model, recipe.ref.parallel) * _bytes(dtype), 0, 0,
                                 recipe.ref.offload))
