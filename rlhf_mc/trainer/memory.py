@@ -52,8 +52,8 @@ class RoleMemory:
 
 def trained_role(role: str, section: TrainSection, model: ModelConfig, dtype: str, world: int) -> RoleMemory:
     """A trained role's bytes on one of its `world` ranks."""
-    weights = _per_rank(model, section.parallel) * _bytes(dtype)
     trained = _per_rank(model, section.parallel)
+    weights = trained * _bytes(dtype)
     if section.lora.enabled:  # the base frozen: gradients and Adam for the adapters alone
         trained = adapter_numel(model, section.lora) / (section.parallel.tp * section.parallel.pp)
         weights += trained * _bytes(dtype)
@@ -112,8 +112,8 @@ class MemoryEstimate:
         return rows
 
 
-def estimate_memory(recipe: Recipe, model: ModelConfig, actor_world: int, colocated: bool, gpu: float | None
-             ) -> MemoryEstimate:
+def estimate_memory(recipe: Recipe, model: ModelConfig, actor_world: int, colocated: bool,
+                    gpu: float | None) -> MemoryEstimate:
     dtype = recipe.model.dtype
     roles = [trained_role("actor", recipe.actor, model, dtype, actor_world)]
     if recipe.uses_critic:

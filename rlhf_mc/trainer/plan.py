@@ -257,9 +257,8 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
             roles.append(f"rollout engine {engine_slot // engine.tp} tp rank {engine_slot % engine.tp}")
         placement.append({"node": d // res.devices_per_node, "device": d % res.devices_per_node, "roles": roles})
     epochs = recipe.actor.ppo_epochs
-    gpu = None
-    if device == "cuda":
-        gpu = res.gpu_memory_gib * GIB or _local_gpu_bytes()
+    memory = (estimate_memory(recipe, model, actor_world, colocated and not attached,
+                              res.gpu_memory_gib * GIB or _local_gpu_bytes()) if device == "cuda" else None)
     return Plan(device=device, devices=devices, actor_world=actor_world, actor_dp=recipe.actor.parallel.dp(actor_world),
                 rollout_devices=rollout_devices, critic_world=critic_world if recipe.uses_critic else 0,
                 ref_world=ref_world, reward_world=reward_world,
@@ -269,9 +268,7 @@ def make_plan(recipe: Recipe, model: ModelConfig, cuda: bool | None = None) -> P
                 old_logprobs_from_update=recipe.old_logprobs_from_update, max_sequence_tokens=longest,
                 context_length=context,
                 sync_transport=transport, colocated=colocated and not attached, tp_groups=tp_groups, engines=engines,
-                placement=placement, lora=_lora_line(recipe, model, transport),
-                memory=estimate_memory(recipe, model, actor_world, colocated and not attached, gpu)
-                if device == "cuda" else None)
+                placement=placement, lora=_lora_line(recipe, model, transport), memory=memory)
 
 
 def _local_gpu_bytes() -> int | None:
@@ -366,8 +363,6 @@ def _check_teacher(recipe: Recipe) -> None:
     """The teacher is a complete HF checkpoint of a supported architecture (one a Megatron teacher can load; a
     served one needs a config), its function imports, and it tokenizes as the actor does: the same vocabulary,
     token for token (it scores the student's token ids)."""
-    from transformers import AutoTokenizer
-
     teacher = recipe.teacher
     if not teacher.path:
         return
@@ -376,6 +371,8 @@ def _check_teacher(recipe: Recipe) -> None:
         _in_section("teacher.parallel.", teacher.parallel.check_model, _checked_hf_dir("teacher.path", teacher.path))
     elif not (Path(teacher.path) / "config.json").is_file():
         raise ConfigError(f"teacher.path: no HF checkpoint (config.json) at {teacher.path}")
+    from transformers import AutoTokenizer  # only with a teacher: 2.3 s of every check otherwise
+
     ours = AutoTokenizer.from_pretrained(recipe.model.tokenizer or recipe.model.path).get_vocab()
     theirs = AutoTokenizer.from_pretrained(teacher.path).get_vocab()
     if ours != theirs:
